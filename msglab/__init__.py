@@ -1,0 +1,33 @@
+"""msglab: the plumbing of a hands-on course on reliable messaging with NATS JetStream.
+
+Notebooks call it in one line: `nc, js = await msglab.connect()`, `msglab.check("01")`.
+Everything heavy (nats, Jupyter, widgets, charts) is imported only where it is used, so the
+check path stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+async def connect(url: str | None = None) -> tuple[Any, Any]:
+    """Connect to the course's server and return (nc, js)."""
+    from .broker import connect_js
+
+    return await connect_js(url)
+
+
+def server_info() -> Any:
+    """Where the course's server runs, who started it, and its version."""
+    from .broker import server_info as info
+
+    return info()
+
+
+def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Any:
+    """Grade a lab from a notebook; the verdict renders as rich output."""
+    from .notebook import check as notebook_check
+
+    return notebook_check(lab, solution=solution, seed=seed)

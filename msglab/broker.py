@@ -1,0 +1,90 @@
+"""Which NATS server the course talks to, and connecting to it.
+
+One rule everywhere: if NATS_URL is set, use that server and start nothing. Otherwise `make lab`
+has started one and put its address in NATS_URL for every notebook; a kernel started any other
+way (VS Code, plain `jupyter lab`) gets its own on demand, stopped when the kernel exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from .errors import ServerUnreachable
+from .server import EmbeddedServer
+
+_shared: EmbeddedServer | None = None
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Where the server is, who started it, and which binary."""
+
+    url: str
+    origin: str  # "NATS_URL" or "embedded (started by this process)"
+    version: str | None
+    binary: str | None
+
+    def describe(self) -> str:
+        version = f"nats-server {self.version}" if self.version else "nats-server (version unknown until connected)"
+        binary = f", binary from {self.binary}" if self.binary else ""
+        return f"{version} at {self.url} ({self.origin}{binary})"
+
+
+def server_info() -> ServerInfo:
+    """Return the server this process uses, starting an embedded one if there is none yet."""
+    global _shared
+    url = os.environ.get("NATS_URL")
+    if url:
+        return ServerInfo(
+            url,
+            "NATS_URL",
+            os.environ.get("MSGLAB_SERVER_VERSION"),
+            os.environ.get("MSGLAB_SERVER_BINARY"),
+        )
+    if _shared is None or _shared.proc is None or _shared.proc.poll() is not None:
+        _shared = EmbeddedServer().start()
+    return ServerInfo(_shared.url, "embedded (started by this process)", _shared.version, _shared.binary.source)
+
+
+def server_url() -> str:
+    """The URL of the server this process uses (see server_info)."""
+    return server_info().url
+
+
+def probe(url: str, timeout: float = 1.0) -> None:
+    """Raise ServerUnreachable unless something accepts TCP connections at url."""
+    first = url.split(",")[0].strip()
+    parsed = urlparse(first if "://" in first else f"nats://{first}")
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ServerUnreachable(f"no NATS server answers at {first} ({exc.strerror or exc})") from exc
+
+
+async def connect(url: str | None = None, *, name: str = "msglab", **options: Any) -> Any:
+    """Connect to the course's server (or url) and return the nats.NATS client.
+
+    Fails within a few seconds with ServerUnreachable instead of retrying for minutes.
+    """
+    import nats  # imported here: `import msglab` stays cheap
+
+    url = url or server_url()
+    probe(url)
+    options.setdefault("connect_timeout", 2)
+    try:
+        return await asyncio.wait_for(nats.connect(url, name=name, **options), 5)
+    except (TimeoutError, asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        raise ServerUnreachable(f"could not open a NATS connection to {url}: {exc!r}") from exc
+
+
+async def connect_js(url: str | None = None, **options: Any) -> tuple[Any, Any]:
+    """Connect and return (nc, js): the connection and its JetStream context."""
+    nc = await connect(url, **options)
+    return nc, nc.jetstream()

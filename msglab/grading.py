@@ -1,0 +1,77 @@
+"""Grade one lab: pick the file, draw or take the seed, run its grader, return a Verdict.
+
+Each grader module (`msglab.graders.<topic>`) defines `async def grade(run) -> list[Check]`
+plus the roles its child processes play; workload and checker live together in that one file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import random
+import time
+from pathlib import Path
+
+from .catalog import find_lab
+from .errors import LabError
+from .harness import BrokenLearnerFile, Run
+from .verdict import Check, Verdict
+
+GRADE_TIMEOUT = 60.0  # no grading run may take longer, whatever the learner's code does
+
+
+def new_seed() -> int:
+    """A fresh seed; printed with every verdict so the run can be replayed."""
+    return random.SystemRandom().randrange(1, 1_000_000)
+
+
+def grade(key: str, *, solution: bool = False, seed: int | None = None, source: str | Path | None = None) -> Verdict:
+    """Grade lab `key` (the learner's file, the solution, or any `source` file) and return the verdict."""
+    lab = find_lab(key)
+    path = Path(source) if source else lab.source(solution)
+    if not path.is_file():
+        raise LabError(f"{path} does not exist", hint=f"the lab's file is {lab.folder / lab.file}")
+    seed = new_seed() if seed is None else seed
+    started = time.perf_counter()
+    verdict = asyncio.run(_grade(lab.grader_module, str(path.resolve()), seed))
+    verdict.lab = lab.name
+    verdict.solution = solution and source is None
+    verdict.seconds = time.perf_counter() - started
+    return verdict
+
+
+async def _grade(grader_name: str, path: str, seed: int) -> Verdict:
+    grader = importlib.import_module(grader_name)
+    verdict = Verdict(lab="", graded=_short(path), seed=seed)
+    async with Run(grader_name, path, seed) as run:
+        verdict.server = run.server_description
+        try:
+            verdict.checks = await asyncio.wait_for(grader.grade(run), GRADE_TIMEOUT)
+        except BrokenLearnerFile as broken:
+            info = broken.info
+            where = f" at {info['where']}" if info.get("where") else ""
+            verdict.checks = [
+                Check(
+                    "file_imports",
+                    "your lab file imports",
+                    False,
+                    f"{_short(path)} did not import{where}: {info['error']}: {info['message']}",
+                    hint="fix that line first; the grader cannot run code that does not import",
+                )
+            ]
+        except (TimeoutError, asyncio.TimeoutError):
+            verdict.checks = [
+                Check("finishes", "grading finishes", False, f"grading did not finish within {GRADE_TIMEOUT:.0f} s",
+                      hint="look for a loop in your code that never awaits anything")
+            ]  # fmt: skip
+        verdict.output = run.output_tail()
+    return verdict
+
+
+def _short(path: str) -> str:
+    from .catalog import course_root
+
+    try:
+        return str(Path(path).relative_to(course_root()))
+    except ValueError:
+        return path

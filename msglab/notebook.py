@@ -1,0 +1,40 @@
+"""Grading from a notebook cell: the same verdict as the CLI, rendered as rich output.
+
+The grader runs in a fresh `python -m msglab check ... --json` process, so a learner's kernel
+state (an old import of the lab file, a running event loop, a half-finished experiment) can
+never change a verdict.
+"""
+
+from __future__ import annotations
+
+import html
+import subprocess
+import sys
+
+from .verdict import Verdict
+
+
+class CheckError:
+    """A check that could not run (unknown lab, no server): shown as a message, not a traceback."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_html_(self) -> str:
+        return f"<div style='color:#9a6700'><b>msglab could not check:</b><pre>{html.escape(self.text)}</pre></div>"
+
+
+def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Verdict | CheckError:
+    """Grade lab `lab` in a fresh process and return the verdict for display."""
+    args = [sys.executable, "-m", "msglab", "check", str(lab), "--json"]
+    if solution:
+        args.append("--solution")
+    if seed is not None:
+        args += ["--seed", str(seed)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode in (0, 1) and done.stdout.strip():
+        return Verdict.from_json(done.stdout)
+    return CheckError((done.stderr or done.stdout).strip() or f"msglab check exited with {done.returncode}")
