@@ -31,3 +31,17 @@ def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Any:
     from .notebook import check as notebook_check
 
     return notebook_check(lab, solution=solution, seed=seed)
+
+
+async def playground(lab: str, solution: bool = False) -> tuple[Any, Any]:
+    """Return (env, your lab module) to try your lab code by hand; see msglab.playground."""
+    from .playground import playground as make
+
+    return await make(lab, solution)
+
+
+async def playground_close(env: Any) -> None:
+    """Delete what msglab.playground created and close its connection."""
+    from .playground import close
+
+    await close(env)

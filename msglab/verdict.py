@@ -63,7 +63,7 @@ class Verdict:
     def to_text(self) -> str:
         head = "PASS" if self.passed else "FAIL"
         lines = [f"lab {self.lab}: {head}  ({len(self.checks) - len(self.failures)}/{len(self.checks)} checks, "
-                 f"{self.seconds:.1f} s, seed {self.seed})", f"  graded: {self.graded}"]
+                 f"{self.seconds:.1f} s, seed {self.seed})", f"  graded: {self.graded} on {self.server}"]
         for check in self.checks:
             lines.append(f"  {'ok  ' if check.passed else 'FAIL'} {check.title}")
             if not check.passed:

@@ -35,6 +35,7 @@ ORDERS_UP, ORDERS_DOWN = 4, 5
 CALL_DEADLINE = 3.0  # after this the grader declares a call hung and kills the process
 STOCK_DEADLINE = REQUEST_TIMEOUT + 1.5  # the same, for check_stock
 CATCH_UP = 6.0  # how long the restarted worker has to email everything
+PARAMS = {"request_timeout": REQUEST_TIMEOUT}  # what env carries besides connections and names
 
 
 # --- what runs inside the learner's processes ------------------------------------------------
@@ -81,19 +82,26 @@ async def role_email_worker(env: LabEnv, learner: Any) -> None:
     await learner.email_worker(env)
 
 
+async def playground(env: Any) -> None:
+    """For the lab notebook: the same stream and durable, and effects that print."""
+    await _setup(env.js, env.names)
+    env.save_order = lambda order: print(f"saved order {order['id']}")
+    env.send_email = lambda order_id: print(f"email sent for {order_id}")
+
+
 # --- the grader ------------------------------------------------------------------------------
 
 
-async def _setup(run: Run) -> None:
+async def _setup(js: Any, names: Any) -> None:
     from nats.js.api import AckPolicy, ConsumerConfig
 
     # The platform team's part: the stream and the durable exist before any service starts.
-    await run.js.add_stream(name=run.names.stream(STREAM), subjects=[run.names.subject("orders.>")])
-    await run.js.add_consumer(
-        run.names.stream(STREAM),
+    await js.add_stream(name=names.stream(STREAM), subjects=[names.subject("orders.>")])
+    await js.add_consumer(
+        names.stream(STREAM),
         ConsumerConfig(
-            durable_name=run.names.durable(DURABLE),
-            filter_subject=run.names.subject(SUBJECT),
+            durable_name=names.durable(DURABLE),
+            filter_subject=names.subject(SUBJECT),
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT,
         ),
@@ -110,8 +118,8 @@ async def grade(run: Run) -> list[Check]:
     crash_call = rng(run.seed, "crash").randint(2, ORDERS_UP)
     stock_rng = rng(run.seed, "stock")
     orders = [{"id": f"o-{i}", "item": f"book-{stock_rng.randint(1, 99)}", "qty": 1} for i in range(1, ORDERS_UP + ORDERS_DOWN + 1)]
-    params = {"request_timeout": REQUEST_TIMEOUT}
-    await _setup(run)
+    params = PARAMS
+    await _setup(run.js, run.names)
     service, worker = await asyncio.gather(
         run.spawn("orders", params=params),
         run.spawn("email_worker", faults=[Crash("send_email", crash_call, "before")], params=params),

