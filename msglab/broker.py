@@ -80,7 +80,7 @@ async def connect(url: str | None = None, *, name: str = "msglab", **options: An
     options.setdefault("connect_timeout", 2)
     try:
         return await asyncio.wait_for(nats.connect(url, name=name, **options), 5)
-    except (TimeoutError, asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise ServerUnreachable(f"could not open a NATS connection to {url}: {exc!r}") from exc
 
 

@@ -58,7 +58,9 @@ def _lab(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="msglab", description="A hands-on course on reliable messaging with NATS JetStream.")
+    parser = argparse.ArgumentParser(
+        prog="msglab", description="A hands-on course on reliable messaging with NATS JetStream."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="grade a lab against a real server under injected faults")
     check.add_argument("lab", help="lab number or name, e.g. 01 or 01_request_reply_vs_events")

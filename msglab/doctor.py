@@ -19,7 +19,11 @@ Probe = Callable[[], tuple[bool, str, str]]
 
 def _python() -> tuple[bool, str, str]:
     version = ".".join(map(str, sys.version_info[:3]))
-    return sys.version_info >= (3, 11), f"Python {version} at {sys.executable}", "install Python 3.11 or newer, then `make lab`"
+    return (
+        sys.version_info >= (3, 11),
+        f"Python {version} at {sys.executable}",
+        "install Python 3.11 or newer, then `make lab`",
+    )
 
 
 def _packages() -> tuple[bool, str, str]:
@@ -83,7 +87,11 @@ def _nats_url() -> tuple[bool, str, str]:
     except MsglabError as exc:
         return False, f"NATS_URL={url}: {str(exc).splitlines()[0]}", exc.hint
     except Exception as exc:  # JetStream disabled answers with an API error
-        return False, f"NATS_URL={url} answers, but JetStream does not: {exc!r}", "start that server with -js (JetStream)"
+        return (
+            False,
+            f"NATS_URL={url} answers, but JetStream does not: {exc!r}",
+            "start that server with -js (JetStream)",
+        )
     return True, f"NATS_URL={url}: nats-server {version} with JetStream", ""
 
 

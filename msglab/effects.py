@@ -79,11 +79,15 @@ class EffectLog:
         if where:
             sql += " where " + " and ".join(where)
         rows = self.db.execute(sql + " order by id", args).fetchall()
-        return [Event(*row[:7], json.loads(row[7] or "{}")) for row in rows]
+        return [
+            Event(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7] or "{}")) for row in rows
+        ]
 
     def count(self, kind: str, name: str) -> int:
         """How many rows of this kind and name (cheap enough to poll while waiting)."""
-        return int(self.db.execute("select count(*) from events where kind = ? and name = ?", (kind, name)).fetchone()[0])
+        return int(
+            self.db.execute("select count(*) from events where kind = ? and name = ?", (kind, name)).fetchone()[0]
+        )
 
     def close(self) -> None:
         self.db.close()

@@ -59,7 +59,7 @@ async def _grade(grader_name: str, path: str, seed: int) -> Verdict:
                     hint="fix that line first; the grader cannot run code that does not import",
                 )
             ]
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             verdict.checks = [
                 Check("finishes", "grading finishes", False, f"grading did not finish within {GRADE_TIMEOUT:.0f} s",
                       hint="look for a loop in your code that never awaits anything")

@@ -25,7 +25,7 @@ from .broker import connect
 from .effects import EffectLog
 from .labkit import Names
 from .nemesis import Crash, encode
-from .server import EmbeddedServer
+from .server import EmbeddedServer, die_with_parent
 
 
 class BrokenLearnerFile(Exception):
@@ -89,7 +89,7 @@ class Child:
         assert self.proc.stdout is not None
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             return None
         return json.loads(line) if line else {}
 
@@ -121,7 +121,7 @@ class Child:
         """Wait for the process to end by itself; False if it is still running at the deadline."""
         try:
             await asyncio.wait_for(self.proc.wait(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             return False
         return True
 
@@ -218,6 +218,7 @@ class Run:
             sys.executable, "-m", "msglab.runner",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env=env, limit=1 << 20,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )  # fmt: skip
         child = Child(role, proc)
         self.children.append(child)

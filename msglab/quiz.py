@@ -53,7 +53,9 @@ def quiz(questions: list[Q]) -> Any:
     boxes = []
     for number, question in enumerate(questions, 1):
         out = widgets.HTML()
-        choice = widgets.RadioButtons(options=[a.text for a in question.answers], value=None, layout={"width": "max-content"})
+        choice = widgets.RadioButtons(
+            options=[a.text for a in question.answers], value=None, layout={"width": "max-content"}
+        )
 
         def on_pick(change: dict[str, Any], question: Q = question, out: Any = out) -> None:
             answer = next(a for a in question.answers if a.text == change["new"])

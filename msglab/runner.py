@@ -101,7 +101,12 @@ async def amain(channel: Channel) -> int:
         os.environ["NATS_URL"], name=f"msglab-{role}", max_reconnect_attempts=1, reconnect_time_wait=0.1
     )
     log = EffectLog(os.environ["MSGLAB_STORE"], role)
-    env = LabEnv(nc, nc.jetstream(), Names(os.environ.get("MSGLAB_PREFIX", "")), json.loads(os.environ.get("MSGLAB_PARAMS", "{}")))
+    env = LabEnv(
+        nc,
+        nc.jetstream(),
+        Names(os.environ.get("MSGLAB_PREFIX", "")),
+        json.loads(os.environ.get("MSGLAB_PARAMS", "{}")),
+    )
     env.log = log  # type: ignore[attr-defined]
     env.nemesis = Nemesis.from_env(log)  # type: ignore[attr-defined]
     if hasattr(grader, f"ops_{role}"):

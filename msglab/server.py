@@ -60,9 +60,11 @@ def find_server_binary() -> ServerBinary:
     raise ServerNotFound("no nats-server binary found (not in this venv, not on PATH, NATS_SERVER_BIN unset)")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: ask Linux to SIGTERM us when the parent dies,
-    # so a crashed notebook kernel or grader never leaves a server behind.
+def die_with_parent() -> None:
+    """Run in a child between fork and exec: Linux sends it SIGTERM when its parent dies.
+
+    So a crashed notebook kernel or grader never leaves a server or a learner process behind.
+    """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
@@ -151,7 +153,7 @@ class EmbeddedServer:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
         except OSError as exc:
             self._cleanup_dir()
@@ -163,8 +165,10 @@ class EmbeddedServer:
         if self.port is None or self.proc.poll() is not None:
             lines = self._fatal_lines()
             self.stop()
-            why = "exited before it was ready" if self.proc.returncode is not None else (
-                f"did not become ready within {self.ready_timeout:.0f} s"
+            why = (
+                "exited before it was ready"
+                if self.proc.returncode is not None
+                else (f"did not become ready within {self.ready_timeout:.0f} s")
             )
             raise ServerStartError(f"nats-server ({self.binary.source}: {self.binary.path}) {why}; it said:", lines)
         atexit.register(self.stop)
@@ -224,3 +228,6 @@ class EmbeddedServer:
     def __repr__(self) -> str:
         where = self.url if self.port else "not running"
         return f"<EmbeddedServer nats-server {self.version or '?'} at {where} ({self.binary.source})>"
+
+
+_die_with_parent = die_with_parent  # older name, kept for callers not yet updated

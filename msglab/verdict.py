@@ -62,8 +62,11 @@ class Verdict:
 
     def to_text(self) -> str:
         head = "PASS" if self.passed else "FAIL"
-        lines = [f"lab {self.lab}: {head}  ({len(self.checks) - len(self.failures)}/{len(self.checks)} checks, "
-                 f"{self.seconds:.1f} s, seed {self.seed})", f"  graded: {self.graded} on {self.server}"]
+        lines = [
+            f"lab {self.lab}: {head}  ({len(self.checks) - len(self.failures)}/{len(self.checks)} checks, "
+            f"{self.seconds:.1f} s, seed {self.seed})",
+            f"  graded: {self.graded} on {self.server}",
+        ]
         for check in self.checks:
             lines.append(f"  {'ok  ' if check.passed else 'FAIL'} {check.title}")
             if not check.passed:
@@ -93,7 +96,9 @@ class Verdict:
                     detail += f"<details open><summary>what happened</summary><ol>{items}</ol></details>"
                 if check.hint:
                     detail += f"<div><b>hint:</b> {html.escape(check.hint)}</div>"
-            rows.append(f"<tr><td style='vertical-align:top'>{mark}</td><td><b>{html.escape(check.title)}</b>{detail}</td></tr>")
+            rows.append(
+                f"<tr><td style='vertical-align:top'>{mark}</td><td><b>{html.escape(check.title)}</b>{detail}</td></tr>"
+            )
         head = "PASS" if self.passed else "FAIL"
         replay = "" if self.passed else f"<div>replay: <code>{html.escape(self.replay_command())}</code></div>"
         return (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from msglab.catalog import NAME_RULE, all_labs
+from msglab.catalog import NAME_RULE, Lab, all_labs
 from msglab.grading import grade
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def test_labs_lessons_and_solutions_run_in_parallel() -> None:
 
 
 @pytest.mark.parametrize("lab", LABS, ids=[lab.number for lab in LABS])
-def test_lab_has_todos_and_a_solution_file(lab) -> None:  # type: ignore[no-untyped-def]
+def test_lab_has_todos_and_a_solution_file(lab: Lab) -> None:
     starter = (lab.folder / lab.file).read_text()
     todos = re.findall(r"#\s*TODO:\s*(.+)", starter)
     assert todos, f"{lab.name}/{lab.file} has no '# TODO:' line"
@@ -48,7 +48,7 @@ def test_lab_has_todos_and_a_solution_file(lab) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.parametrize("lab", LABS, ids=[lab.number for lab in LABS])
-def test_starter_fails_and_solution_passes(lab) -> None:  # type: ignore[no-untyped-def]
+def test_starter_fails_and_solution_passes(lab: Lab) -> None:
     starter = grade(lab.number, seed=101)
     assert not starter.passed, f"lab {lab.name} passes unsolved:\n{starter.to_text()}"
     assert all(c.message and c.hint for c in starter.failures), "every failure teaches: evidence and a hint"
@@ -61,5 +61,9 @@ def test_no_notebook_is_committed_with_outputs() -> None:
         if ".venv" in notebook.parts or ".ipynb_checkpoints" in notebook.parts:
             continue
         cells = json.loads(notebook.read_text())["cells"]
-        dirty = [i for i, c in enumerate(cells) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+        dirty = [
+            i
+            for i, c in enumerate(cells)
+            if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))
+        ]
         assert not dirty, f"{notebook.relative_to(ROOT)} carries outputs in cells {dirty}: strip them"

@@ -7,7 +7,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -45,7 +45,13 @@ def test_wrong_variant_fails_for_its_reason(no_nats_url: None, variant: str, rea
     failed = {c.name for c in verdict.failures}
     assert reason in failed, verdict.to_text()
     # The email path and the request-reply path are judged apart: a bug in one is not blamed on the other.
-    email_side = {"accepts_with_email_up", "accepts_with_email_down", "no_lost_emails", "no_duplicate_emails", "all_acked"}
+    email_side = {
+        "accepts_with_email_up",
+        "accepts_with_email_down",
+        "no_lost_emails",
+        "no_duplicate_emails",
+        "all_acked",
+    }
     assert failed <= email_side if reason in email_side else failed.isdisjoint(email_side), verdict.to_text()
 
 

@@ -87,7 +87,9 @@ def test_server_dies_with_a_killed_parent_and_its_folder_is_swept(tmp_path: Path
     assert not Path(store).exists()
 
 
-def test_nats_server_bin_variable_wins_and_a_bad_one_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_nats_server_bin_variable_wins_and_a_bad_one_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     copy = tmp_path / "nats-server"
     shutil.copy(find_server_binary().path, copy)
     monkeypatch.setenv("NATS_SERVER_BIN", str(copy))

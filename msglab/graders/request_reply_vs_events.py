@@ -117,7 +117,10 @@ async def grade(run: Run) -> list[Check]:
 
     crash_call = rng(run.seed, "crash").randint(2, ORDERS_UP)
     stock_rng = rng(run.seed, "stock")
-    orders = [{"id": f"o-{i}", "item": f"book-{stock_rng.randint(1, 99)}", "qty": 1} for i in range(1, ORDERS_UP + ORDERS_DOWN + 1)]
+    orders: list[dict[str, Any]] = [
+        {"id": f"o-{i}", "item": f"book-{stock_rng.randint(1, 99)}", "qty": 1}
+        for i in range(1, ORDERS_UP + ORDERS_DOWN + 1)
+    ]
     params = PARAMS
     await _setup(run.js, run.names)
     service, worker = await asyncio.gather(
@@ -146,7 +149,9 @@ async def grade(run: Run) -> list[Check]:
             replies[oid] = ("down", replies[oid][1])
     crash_key = crash_rows[0].key if crash_rows else None
     if crash_key:
-        trace[crash_key].append(f"{at(crash_rows[0].ts)} worker {worker.pid} crashed while sending its email (before it went out)")
+        trace[crash_key].append(
+            f"{at(crash_rows[0].ts)} worker {worker.pid} crashed while sending its email (before it went out)"
+        )
     down_note = (
         f"email worker {worker.pid} crashed (injected, while sending email #{crash_call})"
         if crash_rows
@@ -226,8 +231,11 @@ async def _check_request_reply(run: Run, service: Any, stock_rng: Any) -> list[C
         "request_reply_answers",
         "check_stock returns the inventory service's answer",
         got == stock,
-        "" if got == stock else f"the inventory service answered available={stock} for {sku}; check_stock {_stock_outcome(up)}",
-        hint=f"send {{'sku': sku}} as JSON to env.subject('{INVENTORY}') with env.nc.request and return the reply's 'available'",
+        ""
+        if got == stock
+        else f"the inventory service answered available={stock} for {sku}; check_stock {_stock_outcome(up)}",
+        hint=f"send {{'sku': sku}} as JSON to env.subject('{INVENTORY}') with env.nc.request "
+        "and return the reply's 'available'",
     )
     return [
         answers,
@@ -237,7 +245,8 @@ async def _check_request_reply(run: Run, service: Any, stock_rng: Any) -> list[C
             nobody,
             REQUEST_TIMEOUT + 0.7,
             "nobody was subscribed to the inventory subject",
-            "catch nats.errors.NoRespondersError (the server says at once that nobody listens) and raise InventoryUnavailable",
+            "catch nats.errors.NoRespondersError (the server says at once that nobody listens) "
+            "and raise InventoryUnavailable",
         ),
         _unavailable_check(
             "request_reply_timeout",
@@ -270,7 +279,9 @@ def _unavailable_check(name: str, title: str, reply: Reply, bound: float, situat
     return Check(name, title, passed, message, hint=hint if not passed else "")
 
 
-def _accepted_check(replies: dict[str, tuple[str, Reply]], phase: str, trace: dict[str, list[str]], note: str = "") -> Check:
+def _accepted_check(
+    replies: dict[str, tuple[str, Reply]], phase: str, trace: dict[str, list[str]], note: str = ""
+) -> Check:
     placed = [(oid, r) for oid, (p, r) in replies.items() if p == phase]
     refused = [(oid, r) for oid, r in placed if not r.ok or r.elapsed > ACCEPT_BOUND]
     if phase == "up":
@@ -286,7 +297,9 @@ def _accepted_check(replies: dict[str, tuple[str, Reply]], phase: str, trace: di
         return Check(f"accepts_with_email_{phase}", title, True)
     oid, reply = refused[0]
     when = "while the email worker was down" if phase == "down" else "while the email worker ran"
-    message = f"{len(refused)} of {len(placed)} orders placed {when} were not accepted in time: {oid} {reply.describe()}."
+    message = (
+        f"{len(refused)} of {len(placed)} orders placed {when} were not accepted in time: {oid} {reply.describe()}."
+    )
     if phase == "down":
         message += (
             f"\nThe {note}. An order service that waits for email is only up when email is up:"
@@ -295,13 +308,18 @@ def _accepted_check(replies: dict[str, tuple[str, Reply]], phase: str, trace: di
     return Check(f"accepts_with_email_{phase}", title, False, message, trace=trace.get(oid, []), hint=hint)
 
 
-def _lost_check(accepted: list[str], sent: dict[str, int], trace: dict[str, list[str]], alive: bool, died: Any) -> Check:
+def _lost_check(
+    accepted: list[str], sent: dict[str, int], trace: dict[str, list[str]], alive: bool, died: Any
+) -> Check:
     title = "every accepted order is emailed once the worker is back (none lost)"
     lost = [oid for oid in accepted if not sent.get(oid)]
     if not lost:
         return Check("no_lost_emails", title, True)
     oid = lost[0]
-    message = f"{len(lost)} of {len(accepted)} accepted orders were never emailed, {CATCH_UP:.0f} s after the worker came back: {', '.join(lost)}."
+    message = (
+        f"{len(lost)} of {len(accepted)} accepted orders were never emailed, "
+        f"{CATCH_UP:.0f} s after the worker came back: {', '.join(lost)}."
+    )
     if died:
         message += f"\nYour email_worker raised {died.get('error')}({died.get('message')}) at {died.get('where')}."
     elif not alive:
@@ -311,7 +329,7 @@ def _lost_check(accepted: list[str], sent: dict[str, int], trace: dict[str, list
         title,
         False,
         message,
-        trace=trace.get(oid, []) + ["never emailed"],
+        trace=[*trace.get(oid, []), "never emailed"],
         hint="consume from the durable env.durable('email') and ack only after env.send_email returned: "
         "then a crash before the ack means redelivery, not loss",
     )
@@ -346,5 +364,6 @@ def _acked_check(info: Any, accepted: int) -> Check:
         False,
         f"the durable 'email' still has {pending} undelivered and {unacked} delivered-but-unacked messages "
         f"({info.num_redelivered} redelivered) after the run.",
-        hint="bind your worker to env.durable('email') on env.stream('ORDERS') and ack each message once its email is sent",
+        hint="bind your worker to env.durable('email') on env.stream('ORDERS') "
+        "and ack each message once its email is sent",
     )
