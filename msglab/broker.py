@@ -88,3 +88,16 @@ async def connect_js(url: str | None = None, **options: Any) -> tuple[Any, Any]:
     """Connect and return (nc, js): the connection and its JetStream context."""
     nc = await connect(url, **options)
     return nc, nc.jetstream()
+
+
+async def settle_subscriptions(nc: Any) -> None:
+    """Return only once the server has every SUB this connection sent so far.
+
+    One `nc.flush()` is not enough in nats-py 2.16: flush writes its PING straight to the socket
+    while a fresh SUB still waits in the client's pending buffer, so the PONG can come back
+    before the server knows the subscription (seen here as a NoRespondersError on a request to
+    a subject that had just been subscribed and flushed). The first flush lets the flusher task
+    write the buffer; the second PING then travels behind the SUB.
+    """
+    await nc.flush()
+    await nc.flush()

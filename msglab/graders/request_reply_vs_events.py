@@ -19,6 +19,7 @@ import json
 import time
 from typing import Any
 
+from ..broker import settle_subscriptions
 from ..harness import Reply, Run
 from ..labkit import LabEnv
 from ..nemesis import Crash, rng
@@ -216,13 +217,13 @@ async def _check_request_reply(run: Run, service: Any, stock_rng: Any) -> list[C
         return None
 
     sub = await run.nc.subscribe(subject, cb=answer)
-    await run.nc.flush()
+    await settle_subscriptions(run.nc)
     up = await service.call("check_stock", STOCK_DEADLINE, sku=sku)
     await sub.unsubscribe()
-    await run.nc.flush()
+    await settle_subscriptions(run.nc)
     nobody = await service.call("check_stock", STOCK_DEADLINE, sku=sku)
     sub = await run.nc.subscribe(subject, cb=ignore)
-    await run.nc.flush()
+    await settle_subscriptions(run.nc)
     silent = await service.call("check_stock", STOCK_DEADLINE, sku=sku)
     await sub.unsubscribe()
 
