@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UnknownLab
+from .errors import NotebookError, UnknownLab
 
 NAME_RULE = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
 
@@ -79,3 +79,27 @@ def find_lab(key: str, root: Path | None = None) -> Lab:
             return lab
     known = ", ".join(f"{lab.number} ({lab.name})" for lab in labs) or "none yet"
     raise UnknownLab(f"there is no lab called {key!r}", hint=f"labs are: {known}")
+
+
+def all_notebooks(root: Path | None = None) -> list[Path]:
+    """Every lesson and lab notebook of the course, in name order."""
+    root = root or course_root()
+    return sorted([*(root / "lessons").glob("*.ipynb"), *(root / "labs").glob("*/*.ipynb")])
+
+
+def read_notebook(path: Path) -> dict[str, object]:
+    """Parse a notebook file, or raise NotebookError saying where it is broken and how to restore it."""
+    import json
+
+    restore = f"restore it with `git checkout -- {path.name}` in its folder (your lab code lives in .py files)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NotebookError(f"{path} cannot be read: {exc}", hint=restore) from exc
+    except json.JSONDecodeError as exc:
+        raise NotebookError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})", hint=restore
+        ) from exc
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or "nbformat" not in data:
+        raise NotebookError(f"{path} is JSON but not a notebook (no cells or nbformat)", hint=restore)
+    return data

@@ -107,6 +107,21 @@ def _labs() -> tuple[bool, str, str]:
     return True, f"{len(labs)} labs: " + ", ".join(lab.number for lab in labs), ""
 
 
+def _notebooks() -> tuple[bool, str, str]:
+    from .catalog import all_notebooks, read_notebook
+
+    notebooks = all_notebooks()
+    broken = []
+    for path in notebooks:
+        try:
+            read_notebook(path)
+        except MsglabError as exc:
+            broken.append((str(exc).splitlines()[0], exc.hint))
+    if broken:
+        return False, "; ".join(b[0] for b in broken), broken[0][1]
+    return True, f"{len(notebooks)} notebooks open cleanly", ""
+
+
 PROBES: list[tuple[str, Probe]] = [
     ("python", _python),
     ("packages", _packages),
@@ -114,6 +129,7 @@ PROBES: list[tuple[str, Probe]] = [
     ("embedded server", _embedded),
     ("NATS_URL", _nats_url),
     ("labs", _labs),
+    ("notebooks", _notebooks),
 ]
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 from msglab.server import EmbeddedServer
 
@@ -72,3 +73,42 @@ def test_doctor_says_what_to_do_about_a_dead_nats_url() -> None:
     done = run_cli("doctor", env={"NATS_URL": "nats://127.0.0.1:1"})
     assert done.returncode == 2
     assert "PROBLEM NATS_URL" in done.stdout and "what to do:" in done.stdout
+
+
+def test_doctor_names_a_broken_notebook_and_how_to_restore_it(tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(ROOT / "labs", tmp_path / "labs")
+    shutil.copytree(ROOT / "lessons", tmp_path / "lessons")
+    broken = tmp_path / "labs" / "01_request_reply_vs_events" / "lab.ipynb"
+    broken.write_text(broken.read_text()[:200])  # a half-saved file
+    done = run_cli("doctor", env={"MSGLAB_ROOT": str(tmp_path)})
+    assert done.returncode == 2
+    assert "PROBLEM notebooks" in done.stdout and "lab.ipynb is not valid JSON" in done.stdout
+    assert "git checkout -- lab.ipynb" in done.stdout
+    assert (tmp_path / "labs" / "01_request_reply_vs_events" / "orders.py").is_file()  # nothing else touched
+
+
+def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c() -> None:
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from msglab.broker import connect_js
+
+    proc = subprocess.Popen([sys.executable, "-m", "msglab", "server"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    banner = proc.stdout.readline()
+    url = next(word for word in proc.stdout.readline().split() if word.startswith("nats://"))
+    assert banner.startswith("nats-server ") and "JetStream" in banner
+
+    async def use() -> None:
+        nc, js = await connect_js(url)
+        await js.account_info()
+        await nc.close()
+
+    asyncio.run(use())
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(10) == 0
