@@ -198,7 +198,7 @@ async def grade(run: Run) -> list[Check]:
     checks = [
         _accepted_check(replies, "up", trace),
         _accepted_check(replies, "down", trace, down_note),
-        _lost_check(accepted, sent, trace, worker2.alive, worker2.died),
+        _lost_check(accepted, sent, trace, worker2, info),
         _duplicate_check(sent, trace),
         _acked_check(info, len(accepted)),
     ]
@@ -310,27 +310,37 @@ def _accepted_check(
 
 
 def _lost_check(
-    accepted: list[str], sent: dict[str, int], trace: dict[str, list[str]], alive: bool, died: Any
+    accepted: list[str], sent: dict[str, int], trace: dict[str, list[str]], worker: Any, info: Any
 ) -> Check:
     title = "every accepted order is emailed once the worker is back (none lost)"
     lost = [oid for oid in accepted if not sent.get(oid)]
     if not lost:
         return Check("no_lost_emails", title, True)
     oid = lost[0]
-    message = (
-        f"{len(lost)} of {len(accepted)} accepted orders were never emailed, "
-        f"{CATCH_UP:.0f} s after the worker came back: {', '.join(lost)}."
-    )
-    if died:
+    message = f"{len(lost)} of {len(accepted)} accepted orders were never emailed: {', '.join(lost)}."
+    if info.num_pending == 0 and info.num_ack_pending == 0:
+        message += (
+            f"\nThe broker holds nothing more for them: every event on the durable was delivered and acked "
+            f"(ack floor at stream seq {info.ack_floor.stream_seq}), and an acked message never comes back."
+        )
+    else:
+        message += f"\nStill not emailed {CATCH_UP:.0f} s after the worker came back."
+    if worker.died:
+        died = worker.died
         message += f"\nYour email_worker raised {died.get('error')}({died.get('message')}) at {died.get('where')}."
-    elif not alive:
+    elif not worker.alive:
         message += "\nThe restarted worker exited on its own: email_worker must keep consuming."
     return Check(
         "no_lost_emails",
         title,
         False,
         message,
-        trace=[*trace.get(oid, []), "never emailed"],
+        trace=[
+            *trace.get(oid, []),
+            f"end: durable '{DURABLE}' delivered {info.delivered.stream_seq} events "
+            f"({info.num_redelivered} redelivered), {info.num_ack_pending} unacked",
+            "never emailed",
+        ],
         hint="consume from the durable env.durable('email') and ack only after env.send_email returned: "
         "then a crash before the ack means redelivery, not loss",
     )
