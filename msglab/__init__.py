@@ -34,14 +34,14 @@ def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Any:
 
 
 async def playground(lab: str, solution: bool = False) -> tuple[Any, Any]:
-    """Return (env, your lab module) to try your lab code by hand; see msglab.playground."""
-    from .playground import playground as make
+    """Return (env, your lab module) to try your lab code by hand; see msglab.tryout."""
+    from .tryout import playground as make
 
     return await make(lab, solution)
 
 
 async def playground_close(env: Any) -> None:
     """Delete what msglab.playground created and close its connection."""
-    from .playground import close
+    from .tryout import close
 
     await close(env)

@@ -112,3 +112,18 @@ def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c() -> None:
     asyncio.run(use())
     os.kill(proc.pid, signal.SIGINT)
     assert proc.wait(10) == 0
+
+
+def test_playground_can_be_called_again_after_an_edit(no_nats_url: None) -> None:
+    import asyncio
+
+    import msglab
+
+    async def twice() -> None:
+        for _ in range(2):  # the lab notebooks say: re-run the cell after each edit
+            env, lab = await msglab.playground("01")
+            assert callable(lab.place_order)
+            await msglab.playground_close(env)
+
+    asyncio.run(twice())
+    assert callable(msglab.playground)

@@ -1,0 +1,35 @@
+"""Wrong variant: processed has no unique constraint; the worker checks it, charges, then inserts.
+Two workers with the same payment both pass the check before either inserts, and both credit it."""
+
+import json
+
+
+def setup_db(db) -> None:
+    """Create the tables; every worker calls this when it starts, so it must be safe to repeat."""
+    db.execute("create table if not exists balances (account text primary key, cents integer not null)")
+    db.execute(
+        "create table if not exists payments (payment_id text not null, account text not null, "
+        "cents integer not null, charge_id text not null)"
+    )
+    # TODO: Create a processed table whose primary key is payment_id, so a payment can be recorded only once.
+    db.execute("create table if not exists processed (payment_id text not null)")  # no unique constraint
+
+
+async def handle_payment(env, msg) -> None:
+    """Charge one payment and credit it, with the same effect however often msg is delivered."""
+    payment = json.loads(msg.data)
+    key = payment["payment_id"]
+    if env.db.execute("select 1 from processed where payment_id = ?", (key,)).fetchone():
+        return  # seen before (but only if the other worker has already inserted it)
+    charge = await env.charge(payment, idempotency_key=key)
+    with env.db:
+        env.db.execute("insert into processed (payment_id) values (?)", (key,))
+        env.db.execute(
+            "insert into payments (payment_id, account, cents, charge_id) values (?, ?, ?, ?)",
+            (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"]),
+        )
+        env.db.execute(
+            "insert into balances (account, cents) values (?, ?) "
+            "on conflict (account) do update set cents = cents + excluded.cents",
+            (payment["account"], payment["cents"]),
+        )
