@@ -228,6 +228,3 @@ class EmbeddedServer:
     def __repr__(self) -> str:
         where = self.url if self.port else "not running"
         return f"<EmbeddedServer nats-server {self.version or '?'} at {where} ({self.binary.source})>"
-
-
-_die_with_parent = die_with_parent  # older name, kept for callers not yet updated

@@ -31,7 +31,7 @@ async def place_order(env, order: dict) -> None:
     env.save_order(order)
     data = json.dumps(order).encode()
     # TODO: Publish the order as an event to env.subject("orders.placed") with env.js.publish instead of calling the email service.
-    await env.nc.request(env.subject("email.send"), data, timeout=1.0)
+    await env.nc.request(env.subject("email.send"), data, timeout=0.5)
 
 
 async def email_worker(env) -> None:

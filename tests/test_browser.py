@@ -1,0 +1,355 @@
+"""A real browser runs every lesson in the course's own JupyterLab, as a learner would after `make lab`.
+
+One JupyterLab (started by msglab.jupyter, as `make lab` does, but with throwaway config, runtime,
+settings and workspace folders) and one real nats-server serve every lesson. Debian's Chromium,
+driven by Playwright, opens each lesson, runs all cells and checks what a learner would see:
+no error output, every displayed widget rendered, no JavaScript error on the page.
+A screenshot per lesson lands in var/screenshots/ for a person to look at after the run.
+Without /usr/bin/chromium or Playwright the tests skip (Playwright cannot download a browser here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
+from msglab.server import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--disable-quic",
+]  # fmt: skip
+SCREENSHOTS = ROOT / "var" / "screenshots"
+SELFTEST = ROOT / "var" / "browser-selftest"  # inside the course root, so JupyterLab can open it
+LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+READY_TIMEOUT_MS = 120_000  # a kernel's first start on a busy 2-core machine
+RUN_TIMEOUT_MS = 240_000  # a whole lesson, grader runs included; pytest-timeout is the outer bound
+
+# Reads the open notebook from JupyterLab itself (window.jupyterapp): for each code cell its source, execution
+# count and outputs as the kernel sent them (the model), each next to what the page shows for it (the DOM node
+# the output area made for that output, in the same order).
+STATE_JS = """
+() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  if (!panel || !panel.content || !panel.sessionContext) return null;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const cells = panel.content.widgets.filter(c => c.model.type === 'code').map(c => {
+    const views = c.outputArea ? c.outputArea.widgets : [];
+    return {
+      source: c.model.sharedModel.getSource(),
+      tags: c.model.getMetadata('tags') || [],
+      count: c.model.executionCount,
+      running: c.model.executionState === 'running',
+      outputs: c.model.outputs.toJSON().map((o, i) => {
+        const node = views[i] ? views[i].node : null;
+        return {
+          type: o.output_type,
+          ename: o.ename || null,
+          evalue: o.evalue || null,
+          mimes: Object.keys(o.data || {}),
+          text: typeof o.text === 'string' ? o.text : (Array.isArray(o.text) ? o.text.join('') : ''),
+          shown: node ? node.textContent.slice(0, 300) : null,
+          widgets: node ? node.querySelectorAll('.jupyter-widgets').length : 0,
+          // Tracebacks render as stderr text, so a traceback is told apart by its words.
+          traceback: node ? Array.from(node.querySelectorAll('[data-mime-type="application/vnd.jupyter.stderr"]'))
+            .some(n => /Traceback|Error:/.test(n.textContent)) : false,
+        };
+      }),
+    };
+  });
+  return {
+    path: panel.context.path,
+    kernel: kernel ? kernel.status : null,
+    dialogs: Array.from(document.querySelectorAll('.jp-Dialog')).map(d => d.innerText),
+    news: document.body.innerText.includes('official Jupyter news'),
+    cells,
+  };
+}
+"""
+# Run All has settled: kernel idle, no cell running or still waiting its turn (Run All stops at the first
+# error), and every widget view drawn or failed: views render asynchronously, after their cell has finished.
+SETTLED_JS = f"""
+() => {{
+  const s = ({STATE_JS})();
+  if (!s || s.kernel !== 'idle' || s.cells.some(c => c.running)) return false;
+  const failed = s.cells.some(c => !c.tags.includes('raises-exception') && c.outputs.some(o => o.type === 'error'));
+  if (!failed && s.cells.some(c => c.source.trim() && c.count === null)) return false;
+  return s.cells.every(c => c.outputs.every(o => !o.mimes.includes('{WIDGET_MIME}')
+    || ((o.widgets > 0 || (o.shown || '').trim() !== '') && !(o.shown || '').includes('Loading widget'))));
+}}
+"""
+
+
+@dataclass
+class Course:
+    """The running course: JupyterLab, its NATS server, and a browser."""
+
+    lab: LabProcess
+    server: EmbeddedServer
+    browser: Any
+
+
+@dataclass
+class LessonRun:
+    """What one notebook looked like after Run All."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+    page_errors: list[str] = field(default_factory=list)
+    unfinished: str = ""  # why waiting for Run All to settle gave up, if it did
+
+    def problems(self) -> list[str]:
+        """Everything a learner would see as broken, one line each; empty when the lesson is fine."""
+        found = [f"JavaScript error on the page: {err}" for err in self.page_errors]
+        if self.unfinished:
+            found.append(self.unfinished)
+        found += [f"a dialog is open: {text!r}" for text in self.state["dialogs"]]
+        if self.state["news"]:
+            found.append("the 'Jupyter news' pop-up is showing")
+        for n, cell in enumerate(self.state["cells"], 1):
+            where = f"code cell {n} ({_first_line(cell['source'])!r})"
+            if cell["running"]:
+                found.append(f"{where} was still running")
+            elif cell["source"].strip() and cell["count"] is None:
+                found.append(f"{where} never ran")
+            # A cell tagged raises-exception shows an error on purpose (Run All and nbval go on past it).
+            expected = "raises-exception" in cell["tags"]
+            for out in cell["outputs"]:
+                if expected and (out["type"] == "error" or out["traceback"]):
+                    pass
+                elif out["type"] == "error":
+                    found.append(f"{where} raised {out['ename']}: {out['evalue']}")
+                elif out["traceback"]:
+                    found.append(f"{where} shows a traceback: {_first_line(out['text'] or out['shown'] or '')!r}")
+                if WIDGET_MIME in out["mimes"] and not _widget_drawn(out):
+                    found.append(f"{where}: a widget did not render (the page shows {(out['shown'] or '').strip()!r})")
+        return found
+
+    def widget_outputs(self) -> int:
+        """How many widget views the kernel displayed (from the outputs' mime types)."""
+        return sum(WIDGET_MIME in out["mimes"] for cell in self.state["cells"] for out in cell["outputs"])
+
+    def rendered_widgets(self) -> int:
+        """How many of them the page shows as drawn widgets."""
+        return sum(WIDGET_MIME in o["mimes"] and _widget_drawn(o) for c in self.state["cells"] for o in c["outputs"])
+
+
+def _widget_drawn(out: dict[str, Any]) -> bool:
+    # ipywidgets draws its own failure notices inside a .jupyter-widgets node too: read the words as well.
+    shown = out["shown"] or ""
+    return out["widgets"] > 0 and "Error displaying widget" not in shown and "Loading widget" not in shown
+
+
+def _first_line(source: str) -> str:
+    lines = [line for line in source.splitlines() if line.strip()]
+    return lines[0][:60] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Course]:
+    """The course's JupyterLab on a free loopback port, its own nats-server, and headless Chromium."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no {CHROMIUM} (install Debian's chromium to run the browser tests)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed")
+    tmp = tmp_path_factory.mktemp("jupyter")
+    base = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "MSGLAB_ROOT")}
+    # Throwaway user folders: a developer's own Jupyter config, settings and workspaces must not change
+    # what the test sees, and the test must leave none behind. The installed JupyterLab (assets, widget
+    # extension, kernelspec under sys.prefix) is still found: those are not user folders.
+    for var, sub in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"), ("JUPYTER_DATA_DIR", "data"),
+                     ("JUPYTERLAB_SETTINGS_DIR", "user-settings"), ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"),
+                     ("IPYTHONDIR", "ipython")]:  # fmt: skip
+        (tmp / sub).mkdir()
+        base[var] = str(tmp / sub)
+    port, token = free_port(), secrets.token_urlsafe(16)
+    # Never write into the course: no autosave of executed lessons, checkpoints kept in tmp.
+    settings = write_settings(tmp / "settings", extra={"@jupyterlab/docmanager-extension:plugin": {"autosave": False}})
+    command = lab_command(port=port, token=token, root=ROOT, settings_dir=settings)
+    command += [
+        "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: read cells, run commands
+        f"--FileCheckpoints.checkpoint_dir={tmp / 'checkpoints'}",  # absolute: one folder outside the course
+    ]
+    with EmbeddedServer() as server:
+        env = lab_env(server.url, server.version, f"{server.binary.source}: {server.binary.path}", base=base)
+        lab = start_lab(command, env, port, token, log_path=tmp / "jupyterlab.log")
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+                try:
+                    yield Course(lab, server, browser)
+                finally:
+                    browser.close()
+        finally:
+            lab.stop()
+
+
+def run_notebook(course: Course, path: str, screenshot: Path) -> LessonRun:
+    """Open notebook `path` (relative to the course root) in a fresh workspace, Run All, and read the result."""
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page = course.browser.new_page(viewport={"width": 1400, "height": 1000})
+    run = LessonRun()
+    page.on("pageerror", lambda exc: run.page_errors.append(str(exc)))
+    try:
+        # A workspace per notebook: nothing restored from an earlier one, one kernel at a time.
+        page.goto(course.lab.url(f"lab/workspaces/t{secrets.token_hex(4)}/tree/{path}"))
+        # Run All before the kernel is ready brings up a kernel dialog instead of running anything.
+        try:
+            page.wait_for_function(
+                """(path) => {
+                  const p = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+                  return !!(p && p.context && p.context.path === path && p.sessionContext && p.sessionContext.isReady
+                            && p.sessionContext.session && p.sessionContext.session.kernel
+                            && p.sessionContext.session.kernel.status === 'idle');
+                }""",
+                arg=path, timeout=READY_TIMEOUT_MS,
+            )  # fmt: skip
+        except PlaywrightTimeout:
+            pytest.fail(f"{path}: no idle kernel after {READY_TIMEOUT_MS // 1000} s (page errors: {run.page_errors})")
+        # The learner's gesture, Run > Run All Cells; its promise settles when the last cell has run.
+        page.evaluate(
+            """() => { window.__msglabRun = null;
+                window.jupyterapp.commands.execute('runmenu:run-all').then(
+                  ok => { window.__msglabRun = {ok: ok}; }, err => { window.__msglabRun = {error: String(err)}; }); }"""
+        )
+        try:
+            page.wait_for_function("() => window.__msglabRun !== null", timeout=RUN_TIMEOUT_MS)
+            failed = page.evaluate("() => window.__msglabRun.error || null")
+            if failed:
+                run.unfinished = f"Run All failed to start: {failed}"
+            else:
+                page.wait_for_function(SETTLED_JS, timeout=RUN_TIMEOUT_MS)
+        except PlaywrightTimeout:
+            run.unfinished = f"Run All had not settled after {RUN_TIMEOUT_MS // 1000} s"
+        run.state = page.evaluate(STATE_JS)
+        return run
+    finally:
+        # Whatever happened, a picture of it; then shut the kernel down: the next lesson gets the CPU to itself.
+        # (A failure here must not hide the one that brought us here.)
+        with contextlib.suppress(PlaywrightError):
+            _screenshot(page, screenshot)
+        with contextlib.suppress(PlaywrightError):
+            page.evaluate("() => window.jupyterapp && window.jupyterapp.serviceManager.sessions.shutdownAll()")
+        page.close()
+
+
+def _screenshot(page: Any, path: Path) -> None:
+    """The whole notebook in one picture: grow the window to the notebook's height (capped), top first."""
+    extra = page.evaluate(
+        """() => { const o = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
+                   if (!o) return 0; o.scrollTop = 0; return o.scrollHeight - o.clientHeight; }"""
+    )
+    page.set_viewport_size({"width": 1400, "height": min(1000 + int(extra or 0), 16000)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path))
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+def test_lesson_runs_in_browser(course: Course, lesson: Path) -> None:
+    """Run All on a lesson shows no error, renders every widget, and raises nothing in the page."""
+    run = run_notebook(course, lesson.relative_to(ROOT).as_posix(), SCREENSHOTS / f"{lesson.stem}.png")
+    assert run.state["path"] == lesson.relative_to(ROOT).as_posix()
+    problems = run.problems()
+    # Beside the screenshot, what was checked: for a person looking at the run afterwards.
+    cells = run.state["cells"]
+    summary = {
+        "lesson": lesson.name,
+        "code_cells": len(cells),
+        "cells_run": sum(c["count"] is not None for c in cells),
+        "widget_views": run.widget_outputs(),
+        "widgets_drawn": run.rendered_widgets(),
+        "page_errors": run.page_errors,
+        "problems": problems,
+    }
+    (SCREENSHOTS / f"{lesson.stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    assert not problems, f"{lesson.name} in a browser:\n  " + "\n  ".join(problems)
+    assert run.rendered_widgets() == run.widget_outputs()
+
+
+# The checker itself, on two throwaway notebooks: one that must pass (and proves the kernel shares the
+# course's server through NATS_URL and that widgets render), one that must be flagged.
+GOOD_CELLS = [
+    "import os\nimport ipywidgets as widgets\nimport msglab\nprint(os.environ['NATS_URL'])",
+    "nc, js = await msglab.connect()\ninfo = await js.account_info()\nawait nc.close()\nprint('jetstream ok')",
+    "widgets.VBox([widgets.IntSlider(value=3, description='n'), widgets.Button(description='go')])",
+    "",
+    "print(msglab.server_info().describe())",
+    "raise KeyError('shown on purpose')",  # tagged raises-exception below: not a problem, and Run All goes on
+    "print('after the expected error')",
+]
+BAD_CELLS = [
+    "print('before')",
+    # A widget view whose model does not exist: the page shows "Error displaying widget".
+    "display({'application/vnd.jupyter.widget-view+json': {'model_id': 'nope', 'version_major': 2, 'version_minor': 0},"
+    " 'text/plain': 'a widget'}, raw=True)",
+    "raise ValueError('deliberate')",
+    "print('never runs')",
+]
+
+
+def _notebook(cells: list[str]) -> str:
+    def tags(src: str) -> dict[str, list[str]]:
+        return {"tags": ["raises-exception"]} if "on purpose" in src else {}
+
+    return json.dumps({
+        "nbformat": 4, "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}},
+        "cells": [{"cell_type": "code", "id": f"c{i}", "metadata": tags(src), "source": src, "outputs": [],
+                   "execution_count": None} for i, src in enumerate(cells)],
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def selftest_dir() -> Iterator[Path]:
+    """A throwaway folder inside the course root (JupyterLab serves only what is under it)."""
+    folder = SELFTEST / secrets.token_hex(4)
+    folder.mkdir(parents=True)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another run may be using it at the same time
+        SELFTEST.rmdir()
+
+
+def test_checker_passes_a_good_notebook(course: Course, selftest_dir: Path) -> None:
+    """A notebook with a widget, a JetStream call and an expected error passes; its kernel used the course's server."""
+    (selftest_dir / "good.ipynb").write_text(_notebook(GOOD_CELLS))
+    run = run_notebook(
+        course, (selftest_dir / "good.ipynb").relative_to(ROOT).as_posix(), SCREENSHOTS / "selftest-good.png"
+    )
+    assert run.problems() == []
+    assert run.widget_outputs() == 1 and run.rendered_widgets() == 1
+    printed = "".join(o.get("text", "") for o in run.state["cells"][0]["outputs"])
+    assert printed.strip() == course.server.url, "the kernel did not get the course's NATS_URL"
+    described = "".join(o.get("text", "") for o in run.state["cells"][4]["outputs"])
+    assert course.server.version and course.server.version in described
+    assert run.state["cells"][5]["outputs"][0]["ename"] == "KeyError"
+    assert "after the expected error" in run.state["cells"][6]["outputs"][0]["text"]
+
+
+def test_checker_flags_an_error(course: Course, selftest_dir: Path) -> None:
+    """A cell that raises is reported, so are the cells Run All then skipped, and so is a broken widget."""
+    (selftest_dir / "bad.ipynb").write_text(_notebook(BAD_CELLS))
+    run = run_notebook(
+        course, (selftest_dir / "bad.ipynb").relative_to(ROOT).as_posix(), SCREENSHOTS / "selftest-bad.png"
+    )
+    problems = run.problems()
+    assert any("ValueError: deliberate" in p for p in problems), problems
+    assert any("never ran" in p for p in problems), problems
+    assert any("a widget did not render" in p and "Error displaying widget" in p for p in problems), problems
+    assert run.state["cells"][2]["outputs"][0]["traceback"], "the traceback is not shown on the page"
