@@ -21,7 +21,11 @@ venv: $(STAMP)
 lab: venv
 	$(BIN)/msglab lab
 
+# Static checks first (seconds), then every test and notebook against real servers.
 test: venv
+	$(BIN)/ruff check msglab tests scripts
+	$(BIN)/ruff format --check msglab tests scripts
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 bench: venv

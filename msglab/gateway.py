@@ -343,7 +343,7 @@ def start(
     ready_timeout: float = 10.0,
 ) -> Gateway:
     """Start a gateway process and return once it answers on NATS (url: the course's server by default)."""
-    from .server import _die_with_parent
+    from .server import die_with_parent
 
     if url is None:
         from .broker import server_url
@@ -358,7 +358,7 @@ def start(
     args += ["--prefix", prefix, "--window", str(window)]
     proc = subprocess.Popen(
         args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )  # fmt: skip
     assert proc.stdout is not None
     readable, _, _ = select.select([proc.stdout], [], [], ready_timeout)
