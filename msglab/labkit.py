@@ -50,3 +50,24 @@ class LabEnv:
     def durable(self, name: str) -> str:
         """The durable consumer name to use for `name` (e.g. 'email') in this run."""
         return self.names.durable(name)
+
+
+async def provision(
+    js: Any, names: Names, *, stream: str, wildcard: str, durable: str, subject: str, ack_wait: float, **consumer: Any
+) -> None:
+    """The platform team's part of a lab: a stream and a durable on it, made before any learner code runs.
+
+    `wildcard` (e.g. 'orders.>') is what the stream stores, `subject` what the durable delivers;
+    extra keyword arguments go to the ConsumerConfig (e.g. max_ack_pending).
+    """
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    await js.add_stream(name=names.stream(stream), subjects=[names.subject(wildcard)])
+    config = ConsumerConfig(
+        durable_name=names.durable(durable),
+        filter_subject=names.subject(subject),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        **consumer,
+    )
+    await js.add_consumer(names.stream(stream), config)

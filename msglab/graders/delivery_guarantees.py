@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..harness import Child, Run
-from ..labkit import LabEnv
+from ..labkit import LabEnv, provision
 from ..nemesis import Crash, rng
 from ..verdict import Check
 
@@ -158,19 +158,8 @@ async def playground(env: Any) -> None:
 
 
 async def _setup(js: Any, names: Any) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig
-
     # The platform team's part: the stream and the durable exist before any worker starts.
-    await js.add_stream(name=names.stream(STREAM), subjects=[names.subject("billing.>")])
-    await js.add_consumer(
-        names.stream(STREAM),
-        ConsumerConfig(
-            durable_name=names.durable(DURABLE),
-            filter_subject=names.subject(SUBJECT),
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT,
-        ),
-    )
+    await provision(js, names, stream=STREAM, wildcard="billing.>", durable=DURABLE, subject=SUBJECT, ack_wait=ACK_WAIT)
 
 
 @dataclass

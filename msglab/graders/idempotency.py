@@ -36,6 +36,7 @@ from typing import Any
 
 from .. import gateway as gw
 from ..harness import Child, Run
+from ..labkit import provision
 from ..nemesis import rng
 from ..runner import describe
 from ..verdict import Check
@@ -289,20 +290,11 @@ def draw_plan(seed: int) -> _Plan:
 
 
 async def _setup(js: Any, names: Any) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig
-
     # The platform team's part: the stream and the durable exist before any worker starts.
-    await js.add_stream(name=names.stream(STREAM), subjects=[names.subject("payments.>")])
-    await js.add_consumer(
-        names.stream(STREAM),
-        ConsumerConfig(
-            durable_name=names.durable(DURABLE),
-            filter_subject=names.subject(SUBJECT),
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT,
-            max_ack_pending=100,
-        ),
-    )
+    await provision(
+        js, names, stream=STREAM, wildcard="payments.>", durable=DURABLE, subject=SUBJECT, ack_wait=ACK_WAIT,
+        max_ack_pending=100,
+    )  # fmt: skip
 
 
 class _Pool:

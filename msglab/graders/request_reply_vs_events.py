@@ -21,7 +21,7 @@ from typing import Any
 
 from ..broker import settle_subscriptions
 from ..harness import Reply, Run
-from ..labkit import LabEnv
+from ..labkit import LabEnv, provision
 from ..nemesis import Crash, rng
 from ..verdict import Check
 
@@ -94,19 +94,8 @@ async def playground(env: Any) -> None:
 
 
 async def _setup(js: Any, names: Any) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig
-
     # The platform team's part: the stream and the durable exist before any service starts.
-    await js.add_stream(name=names.stream(STREAM), subjects=[names.subject("orders.>")])
-    await js.add_consumer(
-        names.stream(STREAM),
-        ConsumerConfig(
-            durable_name=names.durable(DURABLE),
-            filter_subject=names.subject(SUBJECT),
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT,
-        ),
-    )
+    await provision(js, names, stream=STREAM, wildcard="orders.>", durable=DURABLE, subject=SUBJECT, ack_wait=ACK_WAIT)
 
 
 async def grade(run: Run) -> list[Check]:
