@@ -1,4 +1,4 @@
-"""Shared fixtures: real nats-server processes, never a mock."""
+"""Shared fixtures: every broker here is a real nats-server process."""
 
 from __future__ import annotations
 
