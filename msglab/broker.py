@@ -90,6 +90,31 @@ async def connect_js(url: str | None = None, **options: Any) -> tuple[Any, Any]:
     return nc, nc.jetstream()
 
 
+async def delete_stream(js: Any, name: str) -> bool:
+    """Delete stream `name` (and its consumers) if it exists; True if there was one.
+
+    The stream is purged first. nats-server (2.15.1 at least) answers a delete before it has
+    removed the stream's files, and a stream created again at once under the same name can
+    pick those files up: without the purge a re-run after an aborted one could find the old
+    run's messages in its "new" stream.
+    """
+    from nats.js.errors import NotFoundError
+
+    try:
+        await js.purge_stream(name)
+        return bool(await js.delete_stream(name))
+    except NotFoundError:
+        return False
+
+
+async def delete_streams(js: Any, prefix: str) -> list[str]:
+    """Delete every stream whose name starts with `prefix`; return their names."""
+    names = [info.config.name for info in await js.streams_info() if info.config.name.startswith(prefix)]
+    for name in names:
+        await delete_stream(js, name)
+    return names
+
+
 async def settle_subscriptions(nc: Any) -> None:
     """Return only once the server has every SUB this connection sent so far.
 

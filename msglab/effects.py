@@ -28,13 +28,18 @@ create table if not exists events (
 """
 
 
-def open_db(path: str) -> sqlite3.Connection:
-    """A connection in autocommit mode that waits for other writers instead of failing."""
+def open_sqlite(path: str, schema: str) -> sqlite3.Connection:
+    """A connection in autocommit mode (WAL) that waits for other writers instead of failing."""
     db = sqlite3.connect(path, timeout=10, isolation_level=None)
     db.execute("pragma journal_mode=wal")
     db.execute("pragma busy_timeout=10000")
-    db.executescript(SCHEMA)
+    db.executescript(schema)
     return db
+
+
+def open_db(path: str) -> sqlite3.Connection:
+    """The effect store."""
+    return open_sqlite(path, SCHEMA)
 
 
 @dataclass

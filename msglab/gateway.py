@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .effects import open_sqlite
+
 KEY_HEADER = "Idempotency-Key"
 DEFAULT_WINDOW = 24 * 3600.0  # seconds; the seeds' figure for a payment provider's key window
 
@@ -67,11 +69,7 @@ create table if not exists clock (id integer primary key check (id = 1), offset 
 
 def open_store(path: str) -> sqlite3.Connection:
     """The gateway's store: autocommit, WAL, and waiting (not failing) when a reader holds it."""
-    db = sqlite3.connect(path, timeout=10, isolation_level=None)
-    db.execute("pragma journal_mode=wal")
-    db.execute("pragma busy_timeout=10000")
-    db.executescript(SCHEMA)
-    return db
+    return open_sqlite(path, SCHEMA)
 
 
 class GatewayStore:

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .broker import connect
+from .broker import connect, delete_streams
 from .effects import EffectLog
 from .labkit import Names
 from .nemesis import Crash, encode
@@ -175,18 +175,13 @@ class Run:
             if child.proc.stdin is not None:
                 child.proc.stdin.close()
         if self.names.prefix and self.js is not None:
-            await self._delete_prefixed_streams()
+            await delete_streams(self.js, self.names.stream(""))
         if self.nc is not None:
             await self.nc.close()
         if self.server is not None:
             self.server.stop()
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-    async def _delete_prefixed_streams(self) -> None:
-        for name in await self.js.streams_info():
-            if name.config.name.startswith(self.names.stream("")):
-                await self.js.delete_stream(name.config.name)
 
     @property
     def server_description(self) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import gateway as gw
+from .broker import delete_stream, delete_streams
 from .nemesis import rng
 
 STREAM = "LESSON03_PAYMENTS"
@@ -170,8 +171,7 @@ class PaymentBench:
     async def _fresh_stream(self, duplicate_window: float) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig
 
-        with contextlib.suppress(Exception):  # not there yet
-            await self.js.delete_stream(STREAM)
+        await delete_stream(self.js, STREAM)  # purged first: a stream re-made at once can resurrect
         await self.js.add_stream(name=STREAM, subjects=[SUBJECT], duplicate_window=duplicate_window)
         await self.js.add_consumer(
             STREAM,
@@ -283,9 +283,4 @@ class PaymentBench:
 
 async def cleanup(js: Any) -> list[str]:
     """Delete every LESSON03_ stream (a lesson run that was interrupted may have left some)."""
-    removed = []
-    for info in await js.streams_info():
-        if info.config.name.startswith("LESSON03_"):
-            await js.delete_stream(info.config.name)
-            removed.append(info.config.name)
-    return removed
+    return await delete_streams(js, "LESSON03_")

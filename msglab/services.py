@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .broker import connect, settle_subscriptions
+from .broker import connect, delete_stream, settle_subscriptions
 
 STATES = ("up", "down", "silent")
 CHAIN = ("orders", "inventory", "payments")
@@ -529,23 +529,6 @@ class OrderDesk:
             for service in self.services.values():
                 await service.close()
             await delete_stream(self.js, self.stream)
-
-
-async def delete_stream(js: Any, name: str) -> bool:
-    """Delete stream `name` (and its consumers) if it exists; True if there was one.
-
-    The stream is purged first. nats-server (2.15.1 at least) answers a delete before it has
-    removed the stream's files, and a stream created again at once under the same name can
-    pick those files up: without the purge a lesson re-run after an aborted one could find the
-    old run's messages in its "new" stream.
-    """
-    from nats.js.errors import NotFoundError
-
-    try:
-        await js.purge_stream(name)
-        return bool(await js.delete_stream(name))
-    except NotFoundError:
-        return False
 
 
 async def wait_until_waiting(js: Any, stream: str, durable: str, count: int, timeout: float = 2.0) -> Any:

@@ -12,7 +12,7 @@ import secrets
 from types import ModuleType
 from typing import Any
 
-from .broker import connect_js
+from .broker import connect_js, delete_streams
 from .catalog import find_lab
 from .labkit import LabEnv, Names
 from .runner import load_learner
@@ -31,7 +31,5 @@ async def playground(key: str, solution: bool = False) -> tuple[LabEnv, ModuleTy
 
 async def close(env: Any) -> None:
     """Delete what the playground created and close its connection."""
-    for info in await env.js.streams_info():
-        if info.config.name.startswith(env.names.stream("")):
-            await env.js.delete_stream(info.config.name)
+    await delete_streams(env.js, env.names.stream(""))
     await env.nc.close()
