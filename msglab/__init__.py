@@ -14,34 +14,34 @@ __version__ = "0.1.0"
 
 async def connect(url: str | None = None) -> tuple[Any, Any]:
     """Connect to the course's server and return (nc, js)."""
-    from .broker import connect_js
+    from msglab.broker import connect_js
 
     return await connect_js(url)
 
 
 def server_info() -> Any:
     """Where the course's server runs, who started it, and its version."""
-    from .broker import server_info as info
+    from msglab.broker import server_info as info
 
     return info()
 
 
 def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Any:
     """Grade a lab from a notebook; the verdict renders as rich output."""
-    from .notebook import check as notebook_check
+    from msglab.notebook import check as notebook_check
 
     return notebook_check(lab, solution=solution, seed=seed)
 
 
 async def playground(lab: str, solution: bool = False) -> tuple[Any, Any]:
-    """Return (env, your lab module) to try your lab code by hand; see msglab.tryout."""
-    from .tryout import playground as make
+    """Return (env, your lab module) to try your lab code by hand; see msglab.notebook.tryout."""
+    from msglab.notebook.tryout import playground as make
 
     return await make(lab, solution)
 
 
 async def playground_close(env: Any) -> None:
     """Delete what msglab.playground created and close its connection."""
-    from .tryout import close
+    from msglab.notebook.tryout import close
 
     await close(env)

@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import NotebookError, UnknownLab
+from msglab.errors import NotebookError, UnknownLab
 
 NAME_RULE = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import MsglabError
+from msglab.errors import MsglabError
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .grading import grade
+    from msglab.grading.grade import grade
 
     verdict = grade(args.lab, solution=args.solution, seed=args.seed)
     print(verdict.to_json() if args.json else verdict.to_text())
@@ -20,7 +20,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .catalog import all_labs
+    from msglab.catalog import all_labs
 
     for lab in all_labs():
         print(f"{lab.number}  {lab.name:<36} {lab.title}   (edit {lab.folder.name}/{lab.file})")
@@ -28,7 +28,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from .server import EmbeddedServer
+    from msglab.broker.server import EmbeddedServer
 
     server = EmbeddedServer(monitor=True).start()
     print(f"nats-server {server.version} with JetStream ({server.binary.source}: {server.binary.path})")
@@ -46,13 +46,13 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import run_doctor
+    from msglab.doctor import run_doctor
 
     return run_doctor()
 
 
 def _lab(args: argparse.Namespace) -> int:
-    from .jupyter import run_lab
+    from msglab.jupyter import run_lab
 
     return run_lab(port=args.port, open_browser=not args.no_browser)
 

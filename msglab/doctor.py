@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from importlib import metadata
 
-from .errors import MsglabError
+from msglab.errors import MsglabError
 
 Probe = Callable[[], tuple[bool, str, str]]
 
@@ -39,7 +39,7 @@ def _packages() -> tuple[bool, str, str]:
 
 
 def _binary() -> tuple[bool, str, str]:
-    from .server import find_server_binary
+    from msglab.broker.server import find_server_binary
 
     try:
         binary = find_server_binary()
@@ -49,8 +49,8 @@ def _binary() -> tuple[bool, str, str]:
 
 
 def _embedded() -> tuple[bool, str, str]:
-    from .broker import connect_js
-    from .server import EmbeddedServer
+    from msglab.broker import connect_js
+    from msglab.broker.server import EmbeddedServer
 
     started = time.perf_counter()
     try:
@@ -72,7 +72,7 @@ def _nats_url() -> tuple[bool, str, str]:
     url = os.environ.get("NATS_URL")
     if not url:
         return True, "NATS_URL is not set: lessons and labs use the built-in server", ""
-    from .broker import connect_js
+    from msglab.broker import connect_js
 
     async def use() -> str:
         nc, js = await connect_js(url)
@@ -96,7 +96,7 @@ def _nats_url() -> tuple[bool, str, str]:
 
 
 def _labs() -> tuple[bool, str, str]:
-    from .catalog import all_labs, course_root
+    from msglab.catalog import all_labs, course_root
 
     labs = all_labs()
     missing = [str(lab.folder / lab.file) for lab in labs if not (lab.folder / lab.file).is_file()]
@@ -108,7 +108,7 @@ def _labs() -> tuple[bool, str, str]:
 
 
 def _notebooks() -> tuple[bool, str, str]:
-    from .catalog import all_notebooks, read_notebook
+    from msglab.catalog import all_notebooks, read_notebook
 
     notebooks = all_notebooks()
     broken = []

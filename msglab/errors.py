@@ -7,7 +7,8 @@
     │   └── ServerUnreachable      NATS_URL (or the shared server) does not answer
     ├── LabError                   the course itself is asked for something it does not have
     │   └── UnknownLab             no lab by that number or name
-    └── NotebookError              a lesson notebook is not valid JSON / nbformat
+    ├── NotebookError              a lesson notebook is not valid JSON / nbformat
+    └── GraderError                the grader itself failed: the course's fault, never the learner's
 
 Graders never raise for a failing learner: a failing check (a lab file that does not even
 import included) is a verdict with exit code 1, not an error.
@@ -67,3 +68,9 @@ class UnknownLab(LabError):
 
 class NotebookError(MsglabError):
     """A notebook file is not a valid notebook."""
+
+
+class GraderError(MsglabError):
+    """The grader failed on its own (a bug, a server that would not start, a full disk): exit 2, not a FAIL."""
+
+    hint = "this is the course's fault, not your code's: run `msglab doctor`, then report it with the seed"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import MsglabError
+from msglab.errors import MsglabError
 
 DEFAULT_PORT = 8888
 LESSONS = "lessons"
@@ -162,7 +162,7 @@ def start_lab(
     timeout: float = START_TIMEOUT,
 ) -> LabProcess:
     """Start JupyterLab and return once it serves requests; raise LabStartError if it does not."""
-    from .server import die_with_parent
+    from msglab.broker.server import die_with_parent
 
     log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 (the reader closes it)
     try:
@@ -242,7 +242,7 @@ def has_display() -> bool:
 
 
 def _root() -> Path:
-    from .catalog import course_root
+    from msglab.catalog import course_root
 
     return course_root()
 
@@ -270,7 +270,7 @@ def _raise_on_signal(signum: int, frame: object) -> None:
 
 def run_lab(port: int | None, open_browser: bool) -> int:
     """Start the shared server (unless NATS_URL is set) and JupyterLab on the lessons; block until Ctrl-C."""
-    from .server import EmbeddedServer
+    from msglab.broker.server import EmbeddedServer
 
     root = _root()
     chosen = choose_port(port)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without relying on the edit
 
 from msglab.catalog import all_labs  # noqa: E402
 from msglab.jupyter import lab_env  # noqa: E402
-from msglab.server import EmbeddedServer  # noqa: E402
+from msglab.broker.server import EmbeddedServer  # noqa: E402
 
 VERDICT_GOAL = 1.5  # seconds, median `msglab check` for every lab
 LESSON_GOAL = 30.0  # seconds, each lesson executed headless
@@ -199,7 +199,7 @@ def _importtime(args: list[str]) -> dict[str, int]:
 def bench_imports(runs: int) -> dict[str, Any]:
     """`import msglab`, the check path's imports, and which heavy modules a real check run imports."""
     labs = all_labs()
-    check_path = ["msglab.cli", "msglab.grading", *(lab.grader_module for lab in labs)]
+    check_path = ["msglab.cli", "msglab.grading.grade", *(lab.grader_module for lab in labs)]
     top, path = [], []
     for _ in range(runs):
         top.append(_importtime(["-c", "import msglab"]).get("msglab", 0) / 1e6)

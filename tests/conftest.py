@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from msglab.server import EmbeddedServer
+from msglab.broker.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

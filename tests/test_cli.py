@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import ROOT, run_cli
 
-from msglab.server import EmbeddedServer
+from msglab.broker.server import EmbeddedServer
 
 
 def test_check_solution_passes_with_exit_0_and_names_the_server() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from msglab.catalog import NAME_RULE, Lab, all_labs
-from msglab.grading import grade
+from msglab.grading.grade import grade
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = all_labs(ROOT)

@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from msglab import gateway as gw
-from msglab.server import EmbeddedServer
+from msglab.broker.server import EmbeddedServer
 
 
 @pytest.fixture

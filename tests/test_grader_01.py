@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from msglab.grading import grade
+from msglab.grading.grade import grade
 
 VARIANTS = Path(__file__).parent / "variants" / "01_request_reply_vs_events"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from msglab.grading import grade
+from msglab.grading.grade import grade
 
 VARIANTS = Path(__file__).parent / "variants" / "02_delivery_guarantees"
 WORKER_CHECKS = {"no_lost_invoices", "duplicates_only_after_work_crash", "all_acked", "settled_reported"}

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from msglab.graders.idempotency import POINTS, draw_plan
-from msglab.grading import grade
+from msglab.grading.grade import grade
 
 VARIANTS = Path(__file__).parent / "variants" / "03_idempotency"
 ALL = {"charged_once", "none_lost", "balances_add_up", "stable_key", "all_acked"}

@@ -19,8 +19,8 @@ from nats.js.api import ConsumerConfig
 
 import msglab
 from msglab import charts, services, widgets
-from msglab.server import EmbeddedServer
-from msglab.services import CHAIN, Chain, ChainRun, EmailWorker, OrderDesk, Responder, Tally, _DownSchedule
+from msglab.broker.server import EmbeddedServer
+from msglab.demos.request_reply_vs_events import CHAIN, Chain, ChainRun, EmailWorker, OrderDesk, Responder, Tally, _DownSchedule
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

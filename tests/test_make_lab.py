@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from msglab.jupyter import LabStartError, choose_port, free_port
-from msglab.server import EmbeddedServer
+from msglab.broker.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = re.compile(r"http://127\.0\.0\.1:(\d+)/lab/tree/lessons\?token=(\S+)")

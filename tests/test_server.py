@@ -15,7 +15,7 @@ import pytest
 
 from msglab import broker
 from msglab.errors import ServerNotFound, ServerStartError, ServerUnreachable
-from msglab.server import EmbeddedServer, find_server_binary, sweep_stale_stores
+from msglab.broker.server import EmbeddedServer, find_server_binary, sweep_stale_stores
 
 
 def wait_pid_gone(pid: int, timeout: float) -> bool:
@@ -71,7 +71,7 @@ def test_server_dies_with_a_killed_parent_and_its_folder_is_swept(tmp_path: Path
     script = textwrap.dedent(
         """
         import sys
-        from msglab.server import EmbeddedServer
+        from msglab.broker.server import EmbeddedServer
         srv = EmbeddedServer().start()
         print(srv.pid, srv.store_dir, flush=True)
         sys.stdin.read()  # hold until killed

@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..harness import Child, Run
-from ..labkit import LabEnv, provision
-from ..nemesis import Crash, rng
-from ..verdict import Check
+from msglab.grading.harness import Child, Run
+from msglab.grading.labkit import LabEnv, provision
+from msglab.grading.nemesis import Crash, rng
+from msglab.grading.verdict import Check
 
 STREAM = "BILLING"
 SUBJECT = "billing.invoice"

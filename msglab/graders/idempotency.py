@@ -1,6 +1,6 @@
 """Lab 03 grader: a payment worker that charges each payment once, however often it is delivered.
 
-Workload (seeded): the course's payment gateway (msglab.gateway, keys kept 24 h, its own store),
+Workload (seeded): the course's payment gateway (msglab.world.gateway, keys kept 24 h, its own store),
 answering on NATS from the grader's process, and two worker processes running the learner's
 `handle_payment` on the durable 'payments'. Ten payments over three accounts are published, and two
 of them again as new messages with the same payment id (a producer retry the stream cannot
@@ -34,12 +34,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import gateway as gw
-from ..harness import Child, Run
-from ..labkit import provision
-from ..nemesis import rng
-from ..runner import describe
-from ..verdict import Check
+from msglab.grading.harness import Child, Run
+from msglab.grading.labkit import provision
+from msglab.grading.nemesis import rng
+from msglab.grading.runner import describe
+from msglab.grading.verdict import Check
+from msglab.world import gateway as gw
 
 STREAM = "PAYMENTS"
 SUBJECT = "payments.received"

@@ -19,11 +19,11 @@ import json
 import time
 from typing import Any
 
-from ..broker import settle_subscriptions
-from ..harness import Reply, Run
-from ..labkit import LabEnv, provision
-from ..nemesis import Crash, rng
-from ..verdict import Check
+from msglab.broker import settle_subscriptions
+from msglab.grading.harness import Reply, Run
+from msglab.grading.labkit import LabEnv, provision
+from msglab.grading.nemesis import Crash, rng
+from msglab.grading.verdict import Check
 
 STREAM = "ORDERS"
 SUBJECT = "orders.placed"
@@ -46,13 +46,10 @@ def _add_effects(env: Any) -> None:
     """Give env the lab's side effects, each a crash point for the nemesis."""
 
     def send_email(order_id: str) -> None:
-        call = env.nemesis.called("send_email")
-        env.nemesis.point("send_email", call, "before", order_id)
-        env.log.record("effect", "send_email", str(order_id), call=call)
-        env.nemesis.point("send_email", call, "after", order_id)
+        env.world.call("send_email", str(order_id))
 
     def save_order(order: dict[str, Any]) -> None:
-        env.log.record("effect", "save_order", str(order["id"]))
+        env.world.call("save_order", str(order["id"]))
 
     env.send_email = send_email
     env.save_order = save_order

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ServerNotFound, ServerStartError
+from msglab.errors import ServerNotFound, ServerStartError
 
 STORE_PREFIX = "msglab-nats-"
 _LISTEN = re.compile(r"Listening for client connections on (\S+):(\d+)")
@@ -60,14 +60,15 @@ def find_server_binary() -> ServerBinary:
     raise ServerNotFound("no nats-server binary found (not in this venv, not on PATH, NATS_SERVER_BIN unset)")
 
 
-def die_with_parent() -> None:
-    """Run in a child between fork and exec: Linux sends it SIGTERM when its parent dies.
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Run in a child between fork and exec: Linux sends it `sig` when its parent dies.
 
     So a crashed notebook kernel or grader never leaves a server or a learner process behind.
+    Servers get SIGTERM (they clean up); learner processes get SIGKILL, which they cannot ignore.
     """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
+        libc.prctl(1, sig)  # 1 == PR_SET_PDEATHSIG
     except OSError:
         pass
 

@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import gateway as gw
-from .broker import delete_stream, delete_streams
-from .nemesis import rng
+from msglab.broker import delete_stream, delete_streams
+from msglab.grading.nemesis import rng
+from msglab.world import gateway as gw
 
 STREAM = "LESSON03_PAYMENTS"
 SUBJECT = "lesson03.payments"

@@ -12,10 +12,10 @@ import random
 import time
 from pathlib import Path
 
-from .catalog import find_lab
-from .errors import LabError
-from .harness import BrokenLearnerFile, Run
-from .verdict import Check, Verdict
+from msglab.catalog import find_lab
+from msglab.errors import GraderError, LabError, MsglabError
+from msglab.grading.harness import BrokenLearnerFile, Run
+from msglab.grading.verdict import Check, Verdict
 
 GRADE_TIMEOUT = 60.0  # no grading run may take longer, whatever the learner's code does
 
@@ -33,7 +33,12 @@ def grade(key: str, *, solution: bool = False, seed: int | None = None, source: 
         raise LabError(f"{path} does not exist", hint=f"the lab's file is {lab.folder / lab.file}")
     seed = new_seed() if seed is None else seed
     started = time.perf_counter()
-    verdict = asyncio.run(_grade(lab.grader_module, str(path.resolve()), seed))
+    try:
+        verdict = asyncio.run(_grade(lab.grader_module, str(path.resolve()), seed))
+    except MsglabError:
+        raise
+    except Exception as exc:  # the grader's own failure is never the learner's FAIL
+        raise GraderError(f"grading lab {lab.number} with seed {seed} failed inside the grader: {exc!r}") from exc
     verdict.lab = lab.name
     verdict.solution = solution and source is None
     verdict.seconds = time.perf_counter() - started
@@ -46,7 +51,11 @@ async def _grade(grader_name: str, path: str, seed: int) -> Verdict:
     async with Run(grader_name, path, seed) as run:
         verdict.server = run.server_description
         try:
-            verdict.checks = await asyncio.wait_for(grader.grade(run), GRADE_TIMEOUT)
+            checks = await asyncio.wait_for(grader.grade(run), GRADE_TIMEOUT)
+            # Rules 1 and 3 hold for every lab: planned faults fired, no process died on its own.
+            named = {check.name for check in checks}
+            checks += [c for c in (run.faults_check(), run.deaths_check()) if c.name not in named]
+            verdict.checks = checks
         except BrokenLearnerFile as broken:
             info = broken.info
             where = f" at {info['where']}" if info.get("where") else ""
@@ -69,7 +78,7 @@ async def _grade(grader_name: str, path: str, seed: int) -> Verdict:
 
 
 def _short(path: str) -> str:
-    from .catalog import course_root
+    from msglab.catalog import course_root
 
     try:
         return str(Path(path).relative_to(course_root()))

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from .errors import ServerUnreachable
-from .server import EmbeddedServer
+from msglab.broker.server import EmbeddedServer
+from msglab.errors import ServerUnreachable
 
 _shared: EmbeddedServer | None = None
 

@@ -11,7 +11,7 @@ import html
 import subprocess
 import sys
 
-from .verdict import Verdict
+from msglab.grading.verdict import Verdict
 
 
 class CheckError:

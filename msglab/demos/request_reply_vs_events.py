@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .broker import connect, delete_stream, settle_subscriptions
+from msglab.broker import connect, delete_stream, settle_subscriptions
 
 STATES = ("up", "down", "silent")
 CHAIN = ("orders", "inventory", "payments")

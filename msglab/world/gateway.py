@@ -12,7 +12,7 @@ double charge.
 A test clock (`<prefix>.test_clock`, like Stripe's test clocks) moves the gateway's time forward, so
 a lesson can show a key expiring without waiting a day.
 
-Run it:  python -m msglab.gateway --url nats://127.0.0.1:4222 --db gateway.sqlite --window 86400
+Run it:  python -m msglab.world.gateway --url nats://127.0.0.1:4222 --db gateway.sqlite --window 86400
 From Python: `gw = msglab.gateway.start(window=86400)`, then `gw.charges()`, `await gw.advance(nc, hours=25)`,
 `gw.stop()`.
 """
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .effects import open_sqlite
+from msglab.grading.effects import open_sqlite
 
 KEY_HEADER = "Idempotency-Key"
 DEFAULT_WINDOW = 24 * 3600.0  # seconds; the seeds' figure for a payment provider's key window
@@ -341,10 +341,10 @@ def start(
     ready_timeout: float = 10.0,
 ) -> Gateway:
     """Start a gateway process and return once it answers on NATS (url: the course's server by default)."""
-    from .server import die_with_parent
+    from msglab.broker.server import die_with_parent
 
     if url is None:
-        from .broker import server_url
+        from msglab.broker import server_url
 
         url = server_url()
     own_folder = None
@@ -352,7 +352,7 @@ def start(
         own_folder = tempfile.mkdtemp(prefix="msglab-gateway-")
         db_path = os.path.join(own_folder, "gateway.sqlite")
     open_store(db_path).close()  # the schema exists before anyone reads the store
-    args = [sys.executable, "-m", "msglab.gateway", "--url", url, "--db", db_path]
+    args = [sys.executable, "-m", "msglab.world.gateway", "--url", url, "--db", db_path]
     args += ["--prefix", prefix, "--window", str(window)]
     proc = subprocess.Popen(
         args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -371,8 +371,8 @@ def start(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m msglab.gateway`: serve until SIGTERM, saying `ready` on stdout once subscribed."""
-    parser = argparse.ArgumentParser(prog="python -m msglab.gateway", description="The course's payment gateway.")
+    """`python -m msglab.world.gateway`: serve until SIGTERM, saying `ready` on stdout once subscribed."""
+    parser = argparse.ArgumentParser(prog="python -m msglab.world.gateway", description="The course's payment gateway.")
     parser.add_argument("--url", required=True, help="NATS server URL")
     parser.add_argument("--db", required=True, help="SQLite file for the gateway's store")
     parser.add_argument("--prefix", default="gateway", help="subject prefix: <prefix>.charge, <prefix>.test_clock")

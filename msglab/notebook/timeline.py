@@ -1,4 +1,4 @@
-"""A delivery timeline drawn from a real crash run (msglab.crashlab): who got which delivery, where
+"""A delivery timeline drawn from a real crash run (msglab.demos.delivery_guarantees): who got which delivery, where
 each worker was killed, and when the broker redelivered.
 
     timeline.draw(result)                      # every order
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .crashlab import Result
+from msglab.demos.delivery_guarantees import Result
 
 
 def _number(key: str | None) -> int:

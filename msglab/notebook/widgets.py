@@ -10,8 +10,8 @@ import asyncio
 import html
 from typing import Any
 
-from . import charts
-from .services import STATES, OrderDesk
+from msglab.demos.request_reply_vs_events import STATES, OrderDesk
+from msglab.notebook import charts
 
 
 class DeskControl:

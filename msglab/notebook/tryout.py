@@ -12,10 +12,10 @@ import secrets
 from types import ModuleType
 from typing import Any
 
-from .broker import connect_js, delete_streams
-from .catalog import find_lab
-from .labkit import LabEnv, Names
-from .runner import load_learner
+from msglab.broker import connect_js, delete_streams
+from msglab.catalog import find_lab
+from msglab.grading.labkit import LabEnv, Names
+from msglab.grading.runner import load_learner
 
 
 async def playground(key: str, solution: bool = False) -> tuple[LabEnv, ModuleType]:

@@ -7,14 +7,14 @@
     result = await crashlab.run(ack_first, messages=200, crashes=10, seed=7)
     result.lost, result.duplicated
 
-`run` ships the handler's source to worker processes of its own (`python -m msglab.runner`
+`run` ships the handler's source to worker processes of its own (`python -m msglab.grading.runner`
 with this module as the "grader"), publishes `messages` orders to a stream with a durable, and
 lets one worker after another handle them; each of the first `crashes` workers is SIGKILLed at
 one point drawn from the seed: inside `env.charge` before or after the charge is committed, or
 inside `env.done` (the step a handler calls right after acking). The same seed gives the same
 schedule to every handler, so two orders of ack and work can be compared on equal terms.
 Every delivery, charge, ack and crash is a row in the run's effect store (see effects.py);
-`Result` holds them for counting and for `msglab.timeline`.
+`Result` holds them for counting and for `msglab.notebook.timeline`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .harness import Child, Run
-from .nemesis import Crash, rng
+from msglab.grading.harness import Child, Run
+from msglab.grading.nemesis import Crash, rng
 
 STREAM = "ORDERS"
 SUBJECT = "orders.charge"

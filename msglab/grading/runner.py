@@ -1,20 +1,27 @@
-"""The child process that runs learner code for a grader: `python -m msglab.runner`.
+"""The child process that runs learner code for a grader: `python -m msglab.grading.runner`.
 
-Everything it needs arrives in the environment (MSGLAB_GRADER, MSGLAB_ROLE, MSGLAB_SOURCE,
-NATS_URL, MSGLAB_PREFIX, MSGLAB_STORE, MSGLAB_FAULTS, MSGLAB_PARAMS). It talks to the grader
-in JSON lines on its original stdout; the learner's own prints go to stderr, so a stray print
-can never corrupt the protocol. A role is either `role_<name>(env, learner)`, a coroutine that
-runs until the grader kills it (a worker), or `ops_<name>(env, learner)`, a dict of coroutines
-the grader calls one at a time (a service).
+What it needs arrives in the environment (MSGLAB_GRADER, MSGLAB_ROLE, MSGLAB_SOURCE, NATS_URL,
+MSGLAB_PREFIX, MSGLAB_PARAMS, MSGLAB_FX_FD). Two channels lead to the grader:
+  - JSON lines on a private copy of the original stdout: ready, broken, died, returned, and the
+    replies to service ops (commands arrive on stdin). The learner's prints go to stderr.
+  - the effect channel (a socket on fd MSGLAB_FX_FD): `env.world.call(...)` sends one effect
+    and blocks until the grader answers, without yielding to the event loop, so nothing the
+    learner's code buffered (an ack, a publish) moves while the grader decides; the grader may
+    SIGKILL the process instead of answering. Nothing here knows the fault plan.
+A role is either `role_<name>(env, learner)`, a coroutine that runs until the grader kills it
+(a worker), or `ops_<name>(env, learner)`, a dict of coroutines the grader calls one at a time
+(a service).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import importlib
 import importlib.util
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -22,11 +29,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO
 
-from .effects import EffectLog
-from .labkit import LabEnv, Names
-from .nemesis import Nemesis
+from msglab.grading.labkit import LabEnv, Names
 
 LEARNER_MODULE = "learner_lab"
+TRACEBACK_LIMIT = 4000  # characters of a traceback sent to the grader
 
 
 def load_learner(path: str) -> ModuleType:
@@ -56,7 +62,7 @@ def where_in(exc: BaseException, path: str) -> str:
 
 def describe(exc: BaseException, path: str) -> dict[str, Any]:
     """An exception as data the grader can judge and quote."""
-    return {"error": type(exc).__name__, "message": str(exc), "where": where_in(exc, path)}
+    return {"error": type(exc).__name__, "message": str(exc)[:500], "where": where_in(exc, path)}
 
 
 class Channel:
@@ -69,6 +75,45 @@ class Channel:
     def send(self, **message: Any) -> None:
         self.out.write(json.dumps(message, default=str) + "\n")
         self.out.flush()
+
+
+class WorldError(Exception):
+    """An effect the grader's world refused, when no more specific exception class is named."""
+
+
+class World:
+    """The learner's side of the effect channel: synchronous calls the grader answers (or kills)."""
+
+    def __init__(self, fd: int, grader: ModuleType) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.setblocking(True)
+        self.grader = grader
+        self._buffer = b""
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.sock.sendall((json.dumps(message, default=str) + "\n").encode())
+
+    def call(self, name: str, key: Any = None, **detail: Any) -> Any:
+        """Ask the grader's world to perform effect `name` for `key`; return its answer or raise its error."""
+        self._send({"op": "call", "name": name, "key": None if key is None else str(key), "detail": detail})
+        while b"\n" not in self._buffer:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the grader closed the effect channel")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        if "raise" in reply:
+            name = reply["raise"]
+            cls = getattr(self.grader, name, None) or getattr(builtins, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, Exception)):
+                cls = WorldError
+            raise cls(reply.get("message", ""))
+        return reply.get("value")
+
+    def note(self, name: str, key: Any = None, **detail: Any) -> None:
+        """Tell the grader something happened (one way; the grader does not answer)."""
+        self._send({"op": "note", "name": name, "key": None if key is None else str(key), "detail": detail})
 
 
 async def serve(ops: dict[str, Any], channel: Channel, path: str) -> None:
@@ -92,6 +137,7 @@ async def amain(channel: Channel) -> int:
     path = os.environ["MSGLAB_SOURCE"]
     role = os.environ["MSGLAB_ROLE"]
     grader = importlib.import_module(os.environ["MSGLAB_GRADER"])
+    world = World(int(os.environ["MSGLAB_FX_FD"]), grader)
     try:
         learner = load_learner(path)
     except BaseException as exc:  # a broken file is a verdict, reported as data
@@ -100,15 +146,13 @@ async def amain(channel: Channel) -> int:
     nc = await nats.connect(
         os.environ["NATS_URL"], name=f"msglab-{role}", max_reconnect_attempts=1, reconnect_time_wait=0.1
     )
-    log = EffectLog(os.environ["MSGLAB_STORE"], role)
     env = LabEnv(
         nc,
         nc.jetstream(),
         Names(os.environ.get("MSGLAB_PREFIX", "")),
         json.loads(os.environ.get("MSGLAB_PARAMS", "{}")),
     )
-    env.log = log  # type: ignore[attr-defined]
-    env.nemesis = Nemesis.from_env(log)  # type: ignore[attr-defined]
+    env.world = world  # type: ignore[attr-defined]
     if hasattr(grader, f"ops_{role}"):
         ops = getattr(grader, f"ops_{role}")(env, learner)
         channel.send(event="ready", pid=os.getpid())
@@ -118,7 +162,8 @@ async def amain(channel: Channel) -> int:
     try:
         await getattr(grader, f"role_{role}")(env, learner)
     except Exception as exc:
-        channel.send(event="died", **describe(exc, path))
+        text = "".join(traceback.format_exception(exc))[-TRACEBACK_LIMIT:]
+        channel.send(event="died", traceback=text, **describe(exc, path))
         traceback.print_exc()
         return 4
     channel.send(event="returned")

@@ -1,0 +1,524 @@
+"""The grader's side of a run: an isolated broker, the effect log, and learner processes.
+
+A `Run` owns everything one grading run creates and removes all of it on exit: its own fresh
+nats-server (or, when NATS_URL names a shared one, names prefixed with a random run id), the
+effect log in its own memory, and every child process it spawned, each in a session (process
+group) of its own that is SIGKILLed whole.
+
+Each child has two channels to the grader (see msglab.grading.runner): JSON lines on stdout,
+and a private socket for effects. The grader answers every effect call itself: it counts the
+call, fires the child's planned crash if this is the call the plan names (the plan never
+leaves the grader), records the effect with the grader's clock, and only then replies.
+Anything a child writes that does not follow the protocol ends that child, never the grader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from msglab.broker import connect, delete_streams
+from msglab.broker.server import EmbeddedServer, die_with_parent
+from msglab.grading.effects import EffectLog, Event
+from msglab.grading.labkit import Names
+from msglab.grading.nemesis import Crash
+from msglab.grading.verdict import Check
+
+LINE_LIMIT = 1 << 20  # the longest protocol line a child may send (bytes)
+OUTPUT_LINES = 50  # lines of a child's stderr kept for the verdict
+OUTPUT_LINE_CHARS = 300  # characters kept of each of those lines
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def clean_line(raw: bytes | str) -> str:
+    """One line of learner output made safe to quote: no terminal escapes, bounded length."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    text = _ESCAPES.sub("", text.rstrip("\r\n"))
+    return text if len(text) <= OUTPUT_LINE_CHARS else text[:OUTPUT_LINE_CHARS] + " …"
+
+
+class BrokenLearnerFile(Exception):
+    """The learner's file did not import; grading turns this into a failing verdict, not an error."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        super().__init__(f"{info.get('error')}: {info.get('message')}")
+
+
+class Refuse(Exception):
+    """Raised by an effect handler: the child's call raises `error` (a class the grader module or builtins define)."""
+
+    def __init__(self, error: str, message: str = "") -> None:
+        super().__init__(message)
+        self.error = error
+        self.message = message
+
+
+@dataclass
+class Reply:
+    """What one command to a child returned."""
+
+    ok: bool
+    elapsed: float
+    value: Any = None
+    error: str = ""
+    message: str = ""
+    where: str = ""
+    hung: bool = False  # the grader had to kill the child: the call did not return in time
+    gone: bool = False  # the child was already dead, or died during the call
+
+    def describe(self) -> str:
+        if self.hung:
+            return f"did not return within {self.elapsed:.1f} s (the grader stopped it)"
+        if self.gone:
+            return "could not complete: the process died"
+        if self.ok:
+            return f"returned {self.value!r} after {self.elapsed:.3f} s"
+        where = f" at {self.where}" if self.where else ""
+        return f"raised {self.error}({self.message}){where} after {self.elapsed:.3f} s"
+
+
+EffectHandler = Callable[["Child", str | None, dict[str, Any], int], Awaitable[Any]]
+
+
+@dataclass
+class Child:
+    """One learner process: a worker the grader can kill, or a service it calls."""
+
+    role: str
+    proc: asyncio.subprocess.Process
+    faults: list[Crash] = field(default_factory=list)  # the plan for this process; it never sees it
+    output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES))
+    calls: Counter[str] = field(default_factory=Counter)  # effect calls seen, by name
+    fired: list[Crash] = field(default_factory=list)
+    killed: str = ""  # "nemesis" or "grader": who ended it; empty if it died by itself
+    broken: dict[str, Any] | None = None  # set when the learner's file did not import
+    died: dict[str, Any] | None = None  # set when a worker role raised (with its traceback)
+    returned: bool = False  # a worker role returned on its own
+    protocol_error: str = ""  # what the child wrote that broke the protocol
+    flood: bool = False  # its stderr went over the line limit
+    _ready: asyncio.Future[dict[str, Any]] | None = None
+    _replies: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    _next_id: int = 0
+    _fx_writer: asyncio.StreamWriter | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    @property
+    def unplanned(self) -> bool:
+        """It ended, and neither the nemesis nor the grader ended it."""
+        return not self.alive and not self.killed and self.broken is None
+
+    def how_it_ended(self) -> str:
+        """One line for a verdict: why this process is gone."""
+        if self.died:
+            where = f" at {self.died['where']}" if self.died.get("where") else ""
+            return f"raised {self.died.get('error')}({self.died.get('message')}){where}"
+        if self.protocol_error:
+            return f"was stopped by the grader: {self.protocol_error}"
+        if self.returned:
+            return "returned on its own (a worker must keep running until it is stopped)"
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return f"was killed by signal {signal.Signals(-code).name} (not by the grader)"
+        return f"exited with status {code}"
+
+    def _protocol_violation(self, what: str) -> None:
+        if not self.protocol_error:
+            self.protocol_error = what
+        self.kill_now("grader")
+
+    def kill_now(self, by: str) -> None:
+        """SIGKILL the child's whole process group at once, as a crash would: no cleanup runs."""
+        if not self.killed and self.alive:
+            self.killed = by
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def kill(self, by: str = "grader") -> None:
+        """SIGKILL the process group and wait for the process to be gone."""
+        self.kill_now(by)
+        await self.proc.wait()
+
+    async def call(self, op: str, timeout: float, **args: Any) -> Reply:
+        """Ask a service child to run op; kill it if it does not answer within timeout."""
+        if not self.alive:
+            return Reply(ok=False, elapsed=0.0, gone=True)
+        assert self.proc.stdin is not None
+        self._next_id += 1
+        started = time.perf_counter()
+        try:
+            self.proc.stdin.write((json.dumps({"id": self._next_id, "op": op, "args": args}) + "\n").encode())
+            await self.proc.stdin.drain()
+        except (ConnectionError, RuntimeError):
+            return Reply(ok=False, elapsed=time.perf_counter() - started, gone=True)
+        while True:
+            try:
+                message = await asyncio.wait_for(self._replies.get(), timeout)
+            except TimeoutError:
+                await self.kill()
+                return Reply(ok=False, elapsed=time.perf_counter() - started, hung=True)
+            if not message:  # the channel closed: the process is gone
+                return Reply(ok=False, elapsed=time.perf_counter() - started, gone=True)
+            if message.get("id") == self._next_id:
+                break
+        try:
+            return Reply(
+                ok=bool(message.get("ok")),
+                elapsed=float(message.get("elapsed", time.perf_counter() - started)),
+                value=message.get("value"),
+                error=str(message.get("error", ""))[:200],
+                message=str(message.get("message", ""))[:500],
+                where=str(message.get("where", ""))[:200],
+            )
+        except (TypeError, ValueError):
+            self._protocol_violation("it sent a malformed reply")
+            return Reply(ok=False, elapsed=time.perf_counter() - started, gone=True)
+
+    async def wait_exit(self, timeout: float) -> bool:
+        """Wait for the process to end by itself; False if it is still running at the deadline."""
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class Run:
+    """One grading run's world; use `async with Run(...) as run`."""
+
+    def __init__(self, grader: str, source: str, seed: int, *, ready_timeout: float = 15.0) -> None:
+        self.grader = grader
+        self.source = source
+        self.seed = seed
+        self.ready_timeout = ready_timeout
+        self.log = EffectLog()
+        self.handlers: dict[str, EffectHandler] = {}
+        self.server: EmbeddedServer | None = None
+        self.children: list[Child] = []
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.nc: Any = None
+        self.js: Any = None
+        self.url = ""
+        self.names = Names()
+        self.t0 = time.time()
+
+    async def __aenter__(self) -> Run:
+        shared = os.environ.get("NATS_URL")
+        if shared:
+            # A shared server: keep this run's streams and subjects apart from everyone else's.
+            self.url = shared
+            self.names = Names("r" + secrets.token_hex(4))
+        else:
+            self.server = EmbeddedServer().start()
+            self.url = self.server.url
+        self.nc = await connect(self.url, name="msglab-grader", max_reconnect_attempts=1, reconnect_time_wait=0.1)
+        self.js = self.nc.jetstream()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for child in self.children:
+            await child.kill()
+            if child.proc.stdin is not None:
+                child.proc.stdin.close()
+            if child._fx_writer is not None:
+                child._fx_writer.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.names.prefix and self.js is not None:
+            with contextlib.suppress(Exception):
+                await delete_streams(self.js, self.names.stream(""))
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        if self.server is not None:
+            self.server.stop()
+
+    @property
+    def server_description(self) -> str:
+        if self.server is not None:
+            return f"fresh nats-server {self.server.version} ({self.server.binary.source})"
+        return f"shared server {self.url} (names prefixed {self.names.prefix})"
+
+    def at(self, ts: float | None = None) -> str:
+        """A grader timestamp as '+1.23s' since the run began, for traces."""
+        return f"+{(time.time() if ts is None else ts) - self.t0:.2f}s"
+
+    # --- effects ---------------------------------------------------------------------------
+
+    def on(self, name: str, handler: EffectHandler) -> None:
+        """Serve effect `name` with handler(child, key, detail, call_number); it records what it does.
+
+        Without a handler an effect is recorded as it arrives and answered with None.
+        """
+        self.handlers[name] = handler
+
+    def record_effect(self, child: Child, name: str, key: str | None, **detail: Any) -> Event:
+        """Record an effect performed for `child`, with the grader's clock."""
+        return self.log.record("effect", name, key, pid=child.pid, role=child.role, **detail)
+
+    async def _effect(self, child: Child, message: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """Handle one effect call: (answer?, reply). The nemesis may kill the child instead of answering."""
+        name, key, detail = message["name"], message["key"], message["detail"]
+        child.calls[name] += 1
+        call = child.calls[name]
+        crash = next((c for c in child.faults if (c.effect, c.call) == (name, call) and c not in child.fired), None)
+        if crash is not None and crash.when == "before":
+            await self._crash(child, crash, key)
+            return False, {}
+        try:
+            handler = self.handlers.get(name)
+            if handler is None:
+                self.record_effect(child, name, key, call=call, **detail)
+                reply: dict[str, Any] = {"value": None}
+            else:
+                reply = {"value": await handler(child, key, detail, call)}
+        except Refuse as refused:
+            reply = {"raise": refused.error, "message": refused.message}
+        if crash is not None:
+            await self._crash(child, crash, key)
+            return False, {}
+        return True, reply
+
+    async def _crash(self, child: Child, crash: Crash, key: str | None) -> None:
+        child.fired.append(crash)
+        self.log.record("crash", crash.effect, key, pid=child.pid, role=child.role, call=crash.call, when=crash.when)
+        await child.kill("nemesis")
+
+    async def _serve_effects(self, child: Child, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        child._fx_writer = writer
+        while child.alive:
+            try:
+                line = await reader.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                child._protocol_violation(f"it wrote a line over {LINE_LIMIT} bytes to the effect channel")
+                return
+            except ConnectionError:
+                return
+            if not line:
+                return
+            try:
+                message = json.loads(line)
+                op, name, key = message["op"], message["name"], message.get("key")
+                if not isinstance(message.get("detail", {}), dict):
+                    raise TypeError("detail")
+                message.setdefault("detail", {})
+                if op not in ("call", "note") or not isinstance(name, str) or len(name) > 100:
+                    raise ValueError(op)
+                if key is not None and not isinstance(key, str):
+                    raise TypeError("key")
+            except (ValueError, TypeError, KeyError, AttributeError):
+                child._protocol_violation("it wrote something other than an effect request to the effect channel")
+                return
+            if op == "note":
+                self.log.record("note", name, key, pid=child.pid, role=child.role, **message["detail"])
+                continue
+            answer, reply = await self._effect(child, message)
+            if answer and child.alive:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    writer.write((json.dumps(reply, default=str) + "\n").encode())
+                    await writer.drain()
+
+    # --- children --------------------------------------------------------------------------
+
+    async def spawn(
+        self, role: str, *, faults: list[Crash] | None = None, params: dict[str, Any] | None = None
+    ) -> Child:
+        """Start learner code in a child process and wait until it says it is ready.
+
+        Raises BrokenLearnerFile when the learner's file does not import.
+        """
+        grader_end, child_end = socket.socketpair()
+        env = dict(os.environ)
+        env.update(
+            MSGLAB_GRADER=self.grader,
+            MSGLAB_ROLE=role,
+            MSGLAB_SOURCE=self.source,
+            NATS_URL=self.url,
+            MSGLAB_PREFIX=self.names.prefix,
+            MSGLAB_PARAMS=json.dumps(params or {}),
+            MSGLAB_FX_FD=str(child_end.fileno()),
+            PYTHONUNBUFFERED="1",
+            PYTHONDONTWRITEBYTECODE="1",  # never leave __pycache__ in the learner's folder
+        )
+        linux = sys.platform.startswith("linux")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "msglab.grading.runner",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=env, limit=LINE_LIMIT, pass_fds=(child_end.fileno(),), start_new_session=True,
+                preexec_fn=(lambda: die_with_parent(signal.SIGKILL)) if linux else None,
+            )  # fmt: skip
+        finally:
+            child_end.close()
+        child = Child(role, proc, faults=list(faults or []))
+        child._ready = asyncio.get_running_loop().create_future()
+        self.children.append(child)
+        fx_reader, fx_writer = await asyncio.open_unix_connection(sock=grader_end, limit=LINE_LIMIT)
+        self.tasks += [
+            asyncio.ensure_future(self._read_stderr(child)),
+            asyncio.ensure_future(self._read_protocol(child)),
+            asyncio.ensure_future(self._serve_effects(child, fx_reader, fx_writer)),
+        ]
+        try:
+            message = await asyncio.wait_for(asyncio.shield(child._ready), self.ready_timeout)
+        except TimeoutError:
+            message = {}
+        if message.get("event") == "broken":
+            await child.proc.wait()
+            raise BrokenLearnerFile(message)
+        if message.get("event") != "ready":
+            await child.kill()
+            raise BrokenLearnerFile(
+                {
+                    "error": "DidNotStart",
+                    "message": f"the {role} process {child.how_it_ended() if not child.alive else 'never got ready'}",
+                    "where": "",
+                }
+            )
+        return child
+
+    async def _read_stderr(self, child: Child) -> None:
+        assert child.proc.stderr is not None
+        total = 0
+        while True:
+            try:
+                line = await child.proc.stderr.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                # One endless line: keep reading in chunks, quote only its start.
+                chunk = await child.proc.stderr.read(LINE_LIMIT)
+                line = chunk[:OUTPUT_LINE_CHARS] + b" [line cut]\n" if chunk else b""
+            if not line:
+                return
+            total += len(line)
+            if total > 50 * LINE_LIMIT and not child.flood:
+                child.flood = True  # keep draining so the child never blocks on a full pipe
+            child.output.append(clean_line(line))
+
+    async def _read_protocol(self, child: Child) -> None:
+        assert child.proc.stdout is not None and child._ready is not None
+        try:
+            while True:
+                try:
+                    line = await child.proc.stdout.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    child._protocol_violation(f"it wrote a line over {LINE_LIMIT} bytes to the grader's channel")
+                    return
+                if not line:
+                    return
+                try:
+                    message = json.loads(line)
+                    if not isinstance(message, dict):
+                        raise TypeError
+                except (ValueError, TypeError):
+                    child._protocol_violation("it wrote something other than the grader's protocol to its channel")
+                    return
+                event = message.get("event")
+                if event in ("ready", "broken") and not child._ready.done():
+                    child._ready.set_result(message)
+                elif event == "died" and child.died is None:
+                    child.died = {k: str(message.get(k, ""))[:4000] for k in ("error", "message", "where", "traceback")}
+                elif event == "returned":
+                    child.returned = True
+                elif "id" in message:
+                    await child._replies.put(message)
+        finally:
+            await child.proc.wait()
+            if not child._ready.done():
+                child._ready.set_result({})
+            await child._replies.put({})
+
+    async def wait_for(
+        self, condition: Callable[[], Awaitable[bool] | bool], timeout: float, interval: float = 0.01
+    ) -> bool:
+        """Wait until condition() holds, or timeout; True if it held.
+
+        The state lives in another process (the broker, a child), so this polls it; a short
+        interval keeps the verdict fast without betting on any fixed delay.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            result = condition()
+            if not isinstance(result, bool):
+                result = await result
+            if result:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(interval)
+
+    # --- the checks every grader shares ----------------------------------------------------
+
+    def faults_check(self) -> Check:
+        """Rule 1: every planned crash fired; a run whose faults did not happen cannot pass."""
+        title = "every planned crash happened (the grader could test what your code does after one)"
+        missing = [(c, f) for c in self.children for f in c.faults if f not in c.fired]
+        if not missing:
+            return Check("faults_fired", title, True)
+        child, crash = missing[0]
+        made = child.calls.get(crash.effect, 0)
+        message = (
+            f"the grader planned to {crash.describe()} in your {child.role} process {child.pid}, "
+            f"but that process made only {made} {crash.effect} call(s)"
+            + (f" and then {child.how_it_ended()}" if child.unplanned else "")
+            + ". Without the crash this run proves nothing about surviving one, so it cannot pass."
+        )
+        return Check(
+            "faults_fired",
+            title,
+            False,
+            message,
+            hint=f"every message your {child.role} takes must go through {crash.effect}, one call per message, "
+            "while the process keeps running",
+        )
+
+    def deaths_check(self) -> Check:
+        """Rules 2 and 3: learner processes die only when the grader kills them; quote the traceback."""
+        title = "your processes keep running until the grader stops them (no crash of their own)"
+        dead = [c for c in self.children if c.unplanned or c.protocol_error]
+        if not dead:
+            return Check("no_unplanned_deaths", title, True)
+        child = dead[0]
+        message = f"your {child.role} process {child.pid} {child.how_it_ended()}."
+        trace: list[str] = []
+        if child.died and child.died.get("traceback"):
+            trace = [line for line in child.died["traceback"].splitlines() if line.strip()][-12:]
+        hint = "a worker runs until it is stopped: an empty queue or a failed message is no reason to return or raise"
+        if child.protocol_error:
+            hint = (
+                "leave the grader's channels alone: print to stdout/stderr as you like, but do not write to other fds"
+            )
+        elif child.died:
+            hint = (
+                "handle the failure where it happens (or let the message be redelivered); never let it end the worker"
+            )
+        return Check("no_unplanned_deaths", title, False, message, trace=trace, hint=hint)
+
+    def output_tail(self) -> list[str]:
+        """What the learner's processes printed, last lines, escapes removed."""
+        lines: list[str] = []
+        for child in self.children:
+            lines += [f"[{child.role} {child.pid}] {line}" for line in child.output if line.strip()]
+            if child.flood:
+                lines.append(f"[{child.role} {child.pid}] ... printed more than {50 * LINE_LIMIT >> 20} MB")
+        return lines[-12:]

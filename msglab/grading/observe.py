@@ -1,0 +1,136 @@
+"""What the grader sees on the broker itself, from its own connection, out of the learner's reach.
+
+`BrokerWatch` receives copies of every ack a durable gets (`$JS.ACK.<stream>.<durable>.>`) and
+every pull request its workers send (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>`): core NATS
+delivers them to the grader's subscription as well as to the server. So a grader knows which
+stream sequence was acked when, whichever client API or batching the learner used, and how long
+a worker's fetch waits (its `expires`), without asking the learner's process anything.
+`refuse_publishes` makes a stream reject publishes for a while (a full stream with discard-new),
+so a grader can check that "accepted" means the stream confirmed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+ACK_KINDS = {b"": "ack", b"+ACK": "ack", b"-NAK": "nak", b"+WPI": "progress", b"+TERM": "term", b"+NXT": "ack"}
+
+
+@dataclass(frozen=True)
+class Ack:
+    """One ack-family message a worker sent for a delivery."""
+
+    ts: float  # the grader's clock
+    kind: str  # ack, nak, progress, term
+    stream_seq: int
+    delivered: int  # which delivery of that message it answers (1 = the first)
+
+
+@dataclass(frozen=True)
+class Pull:
+    """One pull request a worker sent."""
+
+    ts: float
+    batch: int
+    expires: float  # seconds the request may wait (0: none given)
+    no_wait: bool
+
+
+@dataclass
+class BrokerWatch:
+    """Acks and pull requests of one durable, as the grader's own connection sees them."""
+
+    stream: str
+    durable: str
+    acks: list[Ack] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
+    _subs: list[Any] = field(default_factory=list)
+
+    async def start(self, nc: Any) -> BrokerWatch:
+        from msglab.broker import settle_subscriptions
+
+        self._subs = [
+            await nc.subscribe(f"$JS.ACK.{self.stream}.{self.durable}.>", cb=self._on_ack),
+            await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}", cb=self._on_pull),
+        ]
+        await settle_subscriptions(nc)
+        return self
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_ack(self, msg: Any) -> None:
+        tokens = msg.subject.split(".")
+        # $JS.ACK.<stream>.<durable>.<delivered>.<sseq>.<dseq>.<ts>.<pending> (v1), or with domain and account hash (v2)
+        at = 4 if len(tokens) == 9 else 6
+        try:
+            delivered, seq = int(tokens[at]), int(tokens[at + 1])
+        except (IndexError, ValueError):
+            return
+        kind = ACK_KINDS.get(msg.data.split(b" ", 1)[0], "other")
+        self.acks.append(Ack(time.time(), kind, seq, delivered))
+
+    async def _on_pull(self, msg: Any) -> None:
+        try:
+            request = json.loads(msg.data or b"{}")
+        except ValueError:
+            request = {}
+        if isinstance(request, int):  # a bare batch size is a valid request too
+            request = {"batch": request}
+        self.pulls.append(
+            Pull(
+                time.time(), int(request.get("batch", 1)), request.get("expires", 0) / 1e9, bool(request.get("no_wait"))
+            )
+        )
+
+    def acked(self, stream_seq: int, before: float | None = None) -> Ack | None:
+        """The first ack of that message (before a time, if given), or None."""
+        for ack in self.acks:
+            if ack.stream_seq == stream_seq and ack.kind == "ack" and (before is None or ack.ts <= before):
+                return ack
+        return None
+
+    def of(self, stream_seq: int) -> list[Ack]:
+        """Every ack-family message sent for that stream sequence, in order."""
+        return [a for a in self.acks if a.stream_seq == stream_seq]
+
+    def refetched_after_idle(self, since: float) -> Pull | None:
+        """A pull request sent after an earlier one (sent after `since`) had waited out its `expires`.
+
+        Seeing one proves the worker survived an empty fetch and asked again.
+        """
+        # nats-py sends an empty fetch as no_wait requests with an expires and waits that long itself.
+        waiting = [p for p in self.pulls if p.ts >= since and p.expires > 0]
+        for first in waiting:
+            for later in self.pulls:
+                if later.ts >= first.ts + first.expires * 0.95 and later.ts > first.ts:
+                    return later
+        return None
+
+
+@contextlib.asynccontextmanager
+async def refuse_publishes(js: Any, stream: str) -> AsyncIterator[None]:
+    """While inside, the stream rejects every publish (full, discard-new: err_code 10077)."""
+    from nats.js.api import DiscardPolicy
+
+    info = await js.stream_info(stream)
+    original = info.config
+    full = dict(original.as_dict())
+    # At its current size, by count and bytes (an empty stream: one byte), so the next publish does not fit.
+    full.update(
+        max_msgs=max(1, info.state.messages), max_bytes=max(1, info.state.bytes), discard=DiscardPolicy.NEW.value
+    )
+    from nats.js.api import StreamConfig
+
+    await js.update_stream(StreamConfig.from_response(full))
+    try:
+        yield
+    finally:
+        await js.update_stream(original)
