@@ -52,6 +52,24 @@ Rules every grader follows (modules 04-08 copy them):
    and correct alternatives written differently (tests/variants/NN_x/also_right/), graded over
    at least 5 seeds in the test suite.
 
+The lab pattern (modules 04-08 copy it):
+
+- `labs/NN_x/`: the learner's file (TODOs state requirements, never the call to write), README.md
+  (the task as requirements, what the grader does, counts that match the grader), lab.ipynb, and
+  lab.toml with hints in levels. Level 1 of every hint is the verdict itself (invariant, evidence,
+  the hint that fits the cause); levels 2 and 3 open with `msglab hint NN` once the same check
+  failed again:
+
+      [hints.no_lost_emails]     # one table per check id the grader can fail
+      concept = "..."            # level 2: the idea in two or three sentences, no code
+      lesson = "section 3, 'Kill the worker'"   # level 2: where a lesson cell shows it
+      code = "..."               # level 3: concrete, code-level
+
+- `tests/variants/NN_x/*.py`: wrong variants, whole learner files whose docstring has a line
+  `Expect: fail <check_id>[, <check_id>]`; `tests/variants/NN_x/also_right/*.py`: correct ones
+  written differently, `Expect: pass`. tests/test_variants.py grades all of them, the starter
+  (must fail) and the solution (must pass) on seeds 1-5, idle and under CPU load.
+
 A grader error (its own bug, a server that will not start) is a GraderError: exit code 2 with a
 message saying it is the course's fault, never a learner FAIL.
 """
