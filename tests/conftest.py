@@ -35,3 +35,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     return subprocess.run(
         [sys.executable, "-m", "msglab", *args], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=timeout
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep what must share a worker on one xdist worker (`--dist loadgroup`).
+
+    A notebook's cells run in order in one kernel, so each notebook is one group; the CPU-load
+    module is one group, so only one set of spinners runs; the browser and JupyterLab tests
+    each share a worker with their module.
+    """
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.xdist_group(f"nb-{path.stem}"))
+        elif path.name in ("test_variants_under_load.py", "test_browser.py", "test_make_lab.py"):
+            item.add_marker(pytest.mark.xdist_group(path.stem))

@@ -12,7 +12,7 @@ from typing import Any
 import nats
 import pytest
 
-from msglab import gateway as gw
+from msglab.world import gateway as gw
 from msglab.broker.server import EmbeddedServer
 
 

@@ -18,7 +18,8 @@ import pytest
 from nats.js.api import ConsumerConfig
 
 import msglab
-from msglab import charts, services, widgets
+from msglab.demos import request_reply_vs_events as services
+from msglab.notebook import charts, widgets
 from msglab.broker.server import EmbeddedServer
 from msglab.demos.request_reply_vs_events import CHAIN, Chain, ChainRun, EmailWorker, OrderDesk, Responder, Tally, _DownSchedule
 

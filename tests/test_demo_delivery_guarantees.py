@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from msglab import crashlab, timeline
+from msglab.demos import delivery_guarantees as crashlab
+from msglab.notebook import timeline
 
 
 async def ack_first(env: Any, msg: Any) -> None:
