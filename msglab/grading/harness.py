@@ -25,8 +25,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -46,6 +44,7 @@ from msglab.grading.labkit import Names
 from msglab.grading.nemesis import Crash
 from msglab.grading.sandbox import Sandbox, limit_hit, protect_solutions
 from msglab.grading.verdict import Check
+from msglab.grading.zygote import LearnerProcess, Zygote
 
 LINE_LIMIT = 1 << 20  # the longest protocol line a child may send (bytes)
 MESSAGE_LIMIT = 20_000  # protocol messages or effect calls one child may send in a run
@@ -112,7 +111,7 @@ class Child:
     """One learner process: a worker the grader can kill, or a service it calls."""
 
     role: str
-    proc: asyncio.subprocess.Process
+    proc: LearnerProcess
     faults: list[Crash] = field(default_factory=list)  # the plan for this process; it never sees it
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES))
     calls: Counter[str] = field(default_factory=Counter)  # effect calls seen, by name
@@ -254,6 +253,7 @@ class Run:
         self.home = ""
         self.inbox_prefix = ""  # on a shared server, the learner's inbox subjects (its slot's)
         self._slot_lock: int | None = None  # the lock file of this run's slot on a shared server
+        self.zygote: Zygote | None = None
 
     async def __aenter__(self) -> Run:
         sweep_stale_runs()
@@ -265,6 +265,15 @@ class Run:
         if self.sandbox.uid is not None:
             protect_solutions(course_root())
         self.source = self._copy_source(self.source)
+        # The fork server imports Python's and nats' start-up cost once, while the broker starts.
+        zygote = asyncio.ensure_future(Zygote(self.grader).start())
+        try:
+            await self._start_broker()
+        finally:
+            self.zygote = await zygote
+        return self
+
+    async def _start_broker(self) -> None:
         shared = os.environ.get("NATS_URL")
         if shared and admin_password_of(shared):
             # A shared server msglab started: this run takes a slot, whose user may touch only its names.
@@ -290,7 +299,6 @@ class Run:
         self.js = self.nc.jetstream()
         if self._slot_lock is not None:
             await delete_streams(self.js, self.names.stream(""))  # left by a run on this slot that was killed
-        return self
 
     def _take_slot(self, url: str, wait: float = 30.0) -> int:
         """Lock a free slot of this shared server (one lock file per slot, per grading machine)."""
@@ -319,7 +327,10 @@ class Run:
     async def __aexit__(self, *exc: object) -> None:
         for child in self.children:
             child.kill_now("grader")
-        # Whatever the learner's processes started, in their session or out of it, dies too.
+        # Whatever the learner's processes started, in their session or out of it, dies too: the
+        # zygote kills all its descendants, the sweep every process of the run's user or tag.
+        if self.zygote is not None:
+            await self.zygote.stop()
         await asyncio.to_thread(self.sandbox.sweep)
         for child in self.children:
             await child.exited()
@@ -459,7 +470,6 @@ class Run:
 
         Raises BrokenLearnerFile when the learner's file does not import.
         """
-        grader_end, child_end = socket.socketpair()
         env = dict(os.environ)
         env.update(
             MSGLAB_GRADER=self.grader,
@@ -472,21 +482,13 @@ class Run:
             TMPDIR=self.home,
             MSGLAB_PREFIX=self.names.prefix,
             MSGLAB_PARAMS=json.dumps(params or {}),
-            MSGLAB_FX_FD=str(child_end.fileno()),
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",  # never leave __pycache__ in the learner's folder
         )
         for name in ("MSGLAB_ROOT", "MSGLAB_STATE_DIR"):
             env.pop(name, None)  # nothing that leads to the course's own files
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "msglab.grading.runner",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=env, cwd=self.home, limit=LINE_LIMIT, pass_fds=(child_end.fileno(),),
-                start_new_session=True, preexec_fn=self.sandbox.preexec,
-            )  # fmt: skip
-        finally:
-            child_end.close()
+        assert self.zygote is not None
+        proc, grader_end = await self.zygote.spawn(env, self.home, self.sandbox.uid, LINE_LIMIT)
         child = Child(role, proc, faults=list(faults or []))
         child._ready = asyncio.get_running_loop().create_future()
         self.children.append(child)
