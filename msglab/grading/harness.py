@@ -6,6 +6,10 @@ one, names prefixed with a random run id), a folder of its own (the learner's fi
 the learner processes' HOME), the effect log in its own memory, and every child process it
 spawned, each confined as msglab.grading.sandbox describes and SIGKILLed whole at the end.
 
+Learner processes may write only `run.home` (their HOME and TMPDIR; owned by the run's sandbox
+user): put there any file they must write, such as a lab's database. They run a copy of the
+graded file (`run.source`), not the course's.
+
 Each child has two channels to the grader (see msglab.grading.runner): JSON lines on stdout,
 and a private socket for effects. The grader answers every effect call itself: it counts the
 call, fires the child's planned crash if this is the call the plan names (the plan never

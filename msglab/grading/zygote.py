@@ -183,6 +183,14 @@ class LearnerProcess:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
 
+    async def wait(self) -> int:
+        """Wait until the zygote reports this process's end; return its exit code (negative: signal)."""
+        import asyncio
+
+        while self.returncode is None:  # noqa: ASYNC110 (set by the zygote's exit report)
+            await asyncio.sleep(0.005)
+        return self.returncode
+
 
 class Zygote:
     """The grader's handle on its run's fork server."""
