@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlparse
 
 from msglab.errors import MsglabError
@@ -271,6 +272,7 @@ def _raise_on_signal(signum: int, frame: object) -> None:
 def run_lab(port: int | None, open_browser: bool) -> int:
     """Start the shared server (unless NATS_URL is set) and JupyterLab on the lessons; block until Ctrl-C."""
     from msglab.broker.server import EmbeddedServer
+    from msglab.broker.users import start_shared_server
 
     root = _root()
     chosen = choose_port(port)
@@ -290,8 +292,10 @@ def run_lab(port: int | None, open_browser: bool) -> int:
                     file=sys.stderr,
                 )
         else:
-            server = EmbeddedServer().start()
-            url, version = server.url, server.version
+            # Users as on every shared server msglab starts: graders get a slot each (see msglab.broker.users).
+            started, url = start_shared_server()
+            server = cast(EmbeddedServer, started)
+            version = server.version
             binary = f"{server.binary.source}: {server.binary.path}"
             where = f"started for this session, {binary}; its data is temporary"
         token = secrets.token_urlsafe(24)

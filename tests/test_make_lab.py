@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -131,7 +132,9 @@ def test_lab_serves_the_course_with_its_own_server_and_cleans_up(start_lab) -> N
     said = NATS_LINE.search(printed)
     assert said, printed
     version, nats_url = said.groups()
-    host, nats_port = nats_url.removeprefix("nats://").split(":")
+    parts = urlsplit(nats_url)
+    host, nats_port = parts.hostname or "", str(parts.port)
+    assert parts.username == "admin", "the course's server gives graders slots only through the admin's URL"
     assert lab.get("/api/status")["started"]
     # The course's settings defaults are served: no "Jupyter news" pop-up.
     notification = lab.get("/lab/api/settings/@jupyterlab/apputils-extension:notification")

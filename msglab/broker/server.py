@@ -110,12 +110,14 @@ class EmbeddedServer:
         extra_args: list[str] | None = None,
         ready_timeout: float = 10.0,
         name: str | None = None,
+        config: str | None = None,
     ) -> None:
         self.binary = binary or find_server_binary()
         self.monitor = monitor
         self.extra_args = list(extra_args or [])
         self.ready_timeout = ready_timeout
         self.name = name
+        self.config = config  # a config file (users and permissions); flags still set port and store
         self.host = "127.0.0.1"
         self.port: int | None = None
         self.monitor_port: int | None = None
@@ -146,6 +148,8 @@ class EmbeddedServer:
             args += ["-m", "-1"]
         if self.name:
             args += ["-n", self.name]
+        if self.config:
+            args += ["-c", self.config]
         args += self.extra_args
         try:
             self.proc = subprocess.Popen(

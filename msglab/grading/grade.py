@@ -11,13 +11,16 @@ import importlib
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from msglab.catalog import find_lab
 from msglab.errors import GraderError, LabError, MsglabError
 from msglab.grading.harness import BrokenLearnerFile, Run
 from msglab.grading.verdict import Check, Verdict
 
-GRADE_TIMEOUT = 60.0  # no grading run may take longer, whatever the learner's code does
+GRADE_TIMEOUT = 45.0  # the grader's workload and checks, whatever the learner's code does
+CLEANUP_TIMEOUT = 15.0  # set-up and clean-up on top: the whole run never takes longer than the sum
+MESSAGE_CHARS, TRACE_LINES, LINE_CHARS = 1500, 20, 300  # a verdict's size is bounded
 
 
 def new_seed() -> int:
@@ -33,8 +36,12 @@ def grade(key: str, *, solution: bool = False, seed: int | None = None, source: 
         raise LabError(f"{path} does not exist", hint=f"the lab's file is {lab.folder / lab.file}")
     seed = new_seed() if seed is None else seed
     started = time.perf_counter()
+    unreadable = _unreadable(path)
     try:
-        verdict = asyncio.run(_grade(lab.grader_module, str(path.resolve()), seed))
+        if unreadable:
+            verdict = Verdict(lab="", graded=_short(str(path)), seed=seed, checks=[unreadable])
+        else:
+            verdict = asyncio.run(_grade(lab.grader_module, str(path.resolve()), seed))
     except MsglabError:
         raise
     except Exception as exc:  # the grader's own failure is never the learner's FAIL
@@ -42,12 +49,55 @@ def grade(key: str, *, solution: bool = False, seed: int | None = None, source: 
     verdict.lab = lab.name
     verdict.solution = solution and source is None
     verdict.seconds = time.perf_counter() - started
+    for check in verdict.checks:
+        _bound(check)
     return verdict
+
+
+def _unreadable(path: Path) -> Check | None:
+    """A failing check for a file the grader cannot even start: unreadable, not text, or empty."""
+    title = "your lab file imports"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except PermissionError:
+        return Check("file_imports", title, False, f"{_short(str(path))} cannot be read (permission denied)",
+                     hint=f"give yourself read access again: chmod u+r {path.name}")  # fmt: skip
+    except UnicodeDecodeError as exc:
+        return Check("file_imports", title, False, f"{_short(str(path))} is not UTF-8 text ({exc.reason})",
+                     hint="save the file as UTF-8 text from your editor")  # fmt: skip
+    code = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not code:
+        return Check("file_imports", title, False, f"{_short(str(path))} is empty: there is no code to run",
+                     hint="restore the starter with `msglab reset NN` (it keeps a backup) and start over")  # fmt: skip
+    return None
+
+
+def _bound(check: Check) -> None:
+    """Cap what a check quotes: learner output and errors can be arbitrarily long."""
+    if len(check.message) > MESSAGE_CHARS:
+        check.message = check.message[:MESSAGE_CHARS] + " …"
+    check.hint = check.hint[:MESSAGE_CHARS]
+    check.trace = [line if len(line) <= LINE_CHARS else line[:LINE_CHARS] + " …" for line in check.trace]
+    if len(check.trace) > TRACE_LINES:
+        check.trace = [*check.trace[: TRACE_LINES // 2], "…", *check.trace[-TRACE_LINES // 2 :]]
 
 
 async def _grade(grader_name: str, path: str, seed: int) -> Verdict:
     grader = importlib.import_module(grader_name)
     verdict = Verdict(lab="", graded=_short(path), seed=seed)
+    try:
+        async with asyncio.timeout(GRADE_TIMEOUT + CLEANUP_TIMEOUT):
+            await _run(grader, grader_name, path, seed, verdict)
+    except TimeoutError:
+        verdict.checks = [
+            Check("finishes", "grading finishes", False,
+                  f"the run did not finish within {GRADE_TIMEOUT + CLEANUP_TIMEOUT:.0f} s; the grader stopped it",
+                  hint="look for a loop in your code that never awaits anything, or a call that blocks")
+        ]  # fmt: skip
+    return verdict
+
+
+async def _run(grader: Any, grader_name: str, path: str, seed: int, verdict: Verdict) -> None:
     async with Run(grader_name, path, seed) as run:
         verdict.server = run.server_description
         try:
@@ -59,22 +109,25 @@ async def _grade(grader_name: str, path: str, seed: int) -> Verdict:
         except BrokenLearnerFile as broken:
             info = broken.info
             where = f" at {info['where']}" if info.get("where") else ""
+            started = info.get("error") == "DidNotStart"
             verdict.checks = [
                 Check(
                     "file_imports",
                     "your lab file imports",
                     False,
                     f"{_short(path)} did not import{where}: {info['error']}: {info['message']}",
-                    hint="fix that line first; the grader cannot run code that does not import",
+                    hint="code at the top level of your file runs when it is imported: a loop or a blocking call "
+                    "there keeps the process from starting; move it into a function"
+                    if started
+                    else "fix that line first; the grader cannot run code that does not import",
                 )
             ]
         except TimeoutError:
             verdict.checks = [
                 Check("finishes", "grading finishes", False, f"grading did not finish within {GRADE_TIMEOUT:.0f} s",
-                      hint="look for a loop in your code that never awaits anything")
+                      hint="look for a loop in your code that never awaits anything, or a call that blocks")
             ]  # fmt: skip
         verdict.output = run.output_tail()
-    return verdict
 
 
 def _short(path: str) -> str:

@@ -1,9 +1,14 @@
 """The grader's side of a run: an isolated broker, the effect log, and learner processes.
 
 A `Run` owns everything one grading run creates and removes all of it on exit: its own fresh
-nats-server (or, when NATS_URL names a shared one, names prefixed with a random run id), the
-effect log in its own memory, and every child process it spawned, each in a session (process
-group) of its own that is SIGKILLed whole.
+nats-server with a grader user and a restricted learner user (or, when NATS_URL names a shared
+one, names prefixed with a random run id), a folder of its own (the learner's files copied in,
+the learner processes' HOME), the effect log in its own memory, and every child process it
+spawned, each confined as msglab.grading.sandbox describes and SIGKILLed whole at the end.
+
+Learner processes may write only `run.home` (their HOME and TMPDIR; owned by the run's sandbox
+user): put there any file they must write, such as a lab's database. They run a copy of the
+graded file (`run.source`), not the course's.
 
 Each child has two channels to the grader (see msglab.grading.runner): JSON lines on stdout,
 and a private socket for effects. The grader answers every effect call itself: it counts the
@@ -17,27 +22,38 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
-import socket
-import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from msglab.broker import connect, delete_streams
-from msglab.broker.server import EmbeddedServer, die_with_parent
+from msglab.broker.server import EmbeddedServer, _pid_alive
+from msglab.broker.users import SLOTS, RunUsers, admin_password_of, slot_prefix, slot_url
+from msglab.catalog import course_root
+from msglab.errors import GraderError
 from msglab.grading.effects import EffectLog, Event
 from msglab.grading.labkit import Names
 from msglab.grading.nemesis import Crash
+from msglab.grading.sandbox import Sandbox, limit_hit, protect_solutions
 from msglab.grading.verdict import Check
+from msglab.grading.zygote import LearnerProcess, Zygote
 
 LINE_LIMIT = 1 << 20  # the longest protocol line a child may send (bytes)
+MESSAGE_LIMIT = 20_000  # protocol messages or effect calls one child may send in a run
+RUN_PREFIX = "msglab-run-"
+FLOOD_BYTES = 50 * LINE_LIMIT  # output beyond this is called a flood in the verdict
 OUTPUT_LINES = 50  # lines of a child's stderr kept for the verdict
 OUTPUT_LINE_CHARS = 300  # characters kept of each of those lines
 _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.|[\x00-\x08\x0b-\x1f\x7f]")
@@ -99,7 +115,7 @@ class Child:
     """One learner process: a worker the grader can kill, or a service it calls."""
 
     role: str
-    proc: asyncio.subprocess.Process
+    proc: LearnerProcess
     faults: list[Crash] = field(default_factory=list)  # the plan for this process; it never sees it
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES))
     calls: Counter[str] = field(default_factory=Counter)  # effect calls seen, by name
@@ -130,6 +146,9 @@ class Child:
 
     def how_it_ended(self) -> str:
         """One line for a verdict: why this process is gone."""
+        limit = limit_hit(self.proc.returncode, self.died)
+        if limit:
+            return f"was stopped by the {limit} every learner process runs under"
         if self.died:
             where = f" at {self.died['where']}" if self.died.get("where") else ""
             return f"raised {self.died.get('error')}({self.died.get('message')}){where}"
@@ -140,6 +159,8 @@ class Child:
         code = self.proc.returncode
         if code is not None and code < 0:
             return f"was killed by signal {signal.Signals(-code).name} (not by the grader)"
+        if self.flood:
+            return f"exited with status {code} after printing more than {FLOOD_BYTES >> 20} MB"
         return f"exited with status {code}"
 
     def _protocol_violation(self, what: str) -> None:
@@ -157,7 +178,16 @@ class Child:
     async def kill(self, by: str = "grader") -> None:
         """SIGKILL the process group and wait for the process to be gone."""
         self.kill_now(by)
-        await self.proc.wait()
+        await self.exited()
+
+    async def exited(self) -> None:
+        """Return once the process has exited.
+
+        Not `proc.wait()`: asyncio's wait also waits for the pipes to close, and a child the
+        learner's code forked keeps them open for as long as it lives.
+        """
+        while self.proc.returncode is None:  # noqa: ASYNC110 (the exit is only visible as returncode)
+            await asyncio.sleep(0.005)
 
     async def call(self, op: str, timeout: float, **args: Any) -> Reply:
         """Ask a service child to run op; kill it if it does not answer within timeout."""
@@ -184,7 +214,7 @@ class Child:
         try:
             return Reply(
                 ok=bool(message.get("ok")),
-                elapsed=float(message.get("elapsed", time.perf_counter() - started)),
+                elapsed=time.perf_counter() - started,  # the grader's clock, never the child's word
                 value=message.get("value"),
                 error=str(message.get("error", ""))[:200],
                 message=str(message.get("message", ""))[:500],
@@ -197,7 +227,7 @@ class Child:
     async def wait_exit(self, timeout: float) -> bool:
         """Wait for the process to end by itself; False if it is still running at the deadline."""
         try:
-            await asyncio.wait_for(self.proc.wait(), timeout)
+            await asyncio.wait_for(self.exited(), timeout)
         except TimeoutError:
             return False
         return True
@@ -206,7 +236,7 @@ class Child:
 class Run:
     """One grading run's world; use `async with Run(...) as run`."""
 
-    def __init__(self, grader: str, source: str, seed: int, *, ready_timeout: float = 15.0) -> None:
+    def __init__(self, grader: str, source: str, seed: int, *, ready_timeout: float = 6.0) -> None:
         self.grader = grader
         self.source = source
         self.seed = seed
@@ -218,26 +248,96 @@ class Run:
         self.tasks: list[asyncio.Task[Any]] = []
         self.nc: Any = None
         self.js: Any = None
-        self.url = ""
+        self.url = ""  # the grader's and course services' URL (full rights on the run's own server)
+        self.learner_url = ""  # what learner processes get (restricted user on the run's own server)
         self.names = Names()
         self.t0 = time.time()
+        self.sandbox = Sandbox.for_this_machine()
+        self.tmp = ""
+        self.home = ""
+        self.inbox_prefix = ""  # on a shared server, the learner's inbox subjects (its slot's)
+        self._slot_lock: int | None = None  # the lock file of this run's slot on a shared server
+        self.zygote: Zygote | None = None
 
     async def __aenter__(self) -> Run:
+        sweep_stale_runs()
+        self.tmp = tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-")
+        os.chmod(self.tmp, 0o711)  # the learner's user may enter, not list
+        self.home = os.path.join(self.tmp, "home")
+        os.mkdir(self.home, 0o700)
+        self.sandbox.give(Path(self.home))
+        if self.sandbox.uid is not None:
+            protect_solutions(course_root())
+        self.source = self._copy_source(self.source)
+        # The fork server imports Python's and nats' start-up cost once, while the broker starts.
+        zygote = asyncio.ensure_future(Zygote(self.grader).start())
+        try:
+            await self._start_broker()
+        finally:
+            self.zygote = await zygote
+        return self
+
+    async def _start_broker(self) -> None:
         shared = os.environ.get("NATS_URL")
-        if shared:
-            # A shared server: keep this run's streams and subjects apart from everyone else's.
-            self.url = shared
+        if shared and admin_password_of(shared):
+            # A shared server msglab started: this run takes a slot, whose user may touch only its names.
+            slot = await asyncio.to_thread(self._take_slot, shared)
+            self.url, self.learner_url = shared, slot_url(shared, slot)
+            self.names = Names(slot_prefix(slot))
+            self.inbox_prefix = f"_INBOX_{slot_prefix(slot)}"
+        elif shared:
+            # Any other shared server: names apart from everyone else's, but no user to enforce it.
+            self.url = self.learner_url = shared
             self.names = Names("r" + secrets.token_hex(4))
         else:
-            self.server = EmbeddedServer().start()
-            self.url = self.server.url
+            grader = importlib.import_module(self.grader)
+            users = RunUsers(getattr(grader, "LEARNER_DENY_PUBLISH", None))
+            config = os.path.join(self.tmp, "server.conf")
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the learner's user may not read it
+            os.write(fd, users.config().encode())
+            os.close(fd)
+            self.server = await asyncio.to_thread(EmbeddedServer(config=config).start)
+            self.url = users.grader_url(self.server.url)
+            self.learner_url = users.learner_url(self.server.url)
         self.nc = await connect(self.url, name="msglab-grader", max_reconnect_attempts=1, reconnect_time_wait=0.1)
         self.js = self.nc.jetstream()
-        return self
+        if self._slot_lock is not None:
+            await delete_streams(self.js, self.names.stream(""))  # left by a run on this slot that was killed
+
+    def _take_slot(self, url: str, wait: float = 30.0) -> int:
+        """Lock a free slot of this shared server (one lock file per slot, per grading machine)."""
+        import fcntl
+
+        where = urlsplit(url.split(",")[0].strip())
+        folder = Path(tempfile.gettempdir()) / f"msglab-slots-{where.hostname}-{where.port}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        deadline = time.monotonic() + wait
+        while True:
+            for slot in range(1, SLOTS + 1):
+                fd = os.open(folder / f"{slot:02d}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self._slot_lock = fd
+                return slot
+            if time.monotonic() > deadline:
+                raise GraderError(
+                    f"all {SLOTS} grading slots of {where.hostname}:{where.port} stayed busy for {wait:.0f} s"
+                )
+            time.sleep(0.1)
 
     async def __aexit__(self, *exc: object) -> None:
         for child in self.children:
-            await child.kill()
+            child.kill_now("grader")
+        # Whatever the learner's processes started, in their session or out of it, dies too: the
+        # zygote kills all its descendants, the sweep every process of the run's user or tag.
+        if self.zygote is not None:
+            await self.zygote.stop()
+        await asyncio.to_thread(self.sandbox.sweep)
+        for child in self.children:
+            await child.exited()
             if child.proc.stdin is not None:
                 child.proc.stdin.close()
             if child._fx_writer is not None:
@@ -252,13 +352,36 @@ class Run:
             with contextlib.suppress(Exception):
                 await self.nc.close()
         if self.server is not None:
-            self.server.stop()
+            await asyncio.to_thread(self.server.stop)
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._slot_lock is not None:
+            os.close(self._slot_lock)  # releases the slot's lock
+
+    def _copy_source(self, source: str) -> str:
+        """Copy the graded file and its sibling modules into the run's folder; return the copy's path.
+
+        The learner's processes run the copy: they never need the course tree, and a file
+        changed during the run does not change what is graded.
+        """
+        original = Path(source)
+        folder = Path(self.tmp) / "src"
+        folder.mkdir(mode=0o755)
+        for sibling in original.parent.glob("*.py"):
+            if sibling.is_file() and sibling != original:
+                shutil.copyfile(sibling, folder / sibling.name)
+        shutil.copyfile(original, folder / original.name)
+        return str(folder / original.name)
 
     @property
     def server_description(self) -> str:
+        who = f"learner code as uid {self.sandbox.uid}" if self.sandbox.uid is not None else self.sandbox.why_not
         if self.server is not None:
-            return f"fresh nats-server {self.server.version} ({self.server.binary.source})"
-        return f"shared server {self.url} (names prefixed {self.names.prefix})"
+            return f"fresh nats-server {self.server.version} ({self.server.binary.source}); {who}"
+        where = self.learner_url.split("@")[-1]
+        if self._slot_lock is None:
+            return f"shared server {where} (names prefixed {self.names.prefix}, not enforced by the server); {who}"
+        return f"shared server {where} (slot {self.names.prefix}, enforced by its user); {who}"
 
     def at(self, ts: float | None = None) -> str:
         """A grader timestamp as '+1.23s' since the run began, for traces."""
@@ -280,6 +403,9 @@ class Run:
     async def _effect(self, child: Child, message: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Handle one effect call: (answer?, reply). The nemesis may kill the child instead of answering."""
         name, key, detail = message["name"], message["key"], message["detail"]
+        if sum(child.calls.values()) >= MESSAGE_LIMIT:
+            child._protocol_violation(f"it made more than {MESSAGE_LIMIT} effect calls")
+            return False, {}
         child.calls[name] += 1
         call = child.calls[name]
         crash = next((c for c in child.faults if (c.effect, c.call) == (name, call) and c not in child.fired), None)
@@ -348,29 +474,25 @@ class Run:
 
         Raises BrokenLearnerFile when the learner's file does not import.
         """
-        grader_end, child_end = socket.socketpair()
         env = dict(os.environ)
         env.update(
             MSGLAB_GRADER=self.grader,
             MSGLAB_ROLE=role,
             MSGLAB_SOURCE=self.source,
-            NATS_URL=self.url,
+            MSGLAB_RUN_ID=self.sandbox.run_id,
+            NATS_URL=self.learner_url,
+            MSGLAB_INBOX=self.inbox_prefix,
+            HOME=self.home,
+            TMPDIR=self.home,
             MSGLAB_PREFIX=self.names.prefix,
             MSGLAB_PARAMS=json.dumps(params or {}),
-            MSGLAB_FX_FD=str(child_end.fileno()),
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",  # never leave __pycache__ in the learner's folder
         )
-        linux = sys.platform.startswith("linux")
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "msglab.grading.runner",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=env, limit=LINE_LIMIT, pass_fds=(child_end.fileno(),), start_new_session=True,
-                preexec_fn=(lambda: die_with_parent(signal.SIGKILL)) if linux else None,
-            )  # fmt: skip
-        finally:
-            child_end.close()
+        for name in ("MSGLAB_ROOT", "MSGLAB_STATE_DIR"):
+            env.pop(name, None)  # nothing that leads to the course's own files
+        assert self.zygote is not None
+        proc, grader_end = await self.zygote.spawn(env, self.home, self.sandbox.uid, LINE_LIMIT)
         child = Child(role, proc, faults=list(faults or []))
         child._ready = asyncio.get_running_loop().create_future()
         self.children.append(child)
@@ -385,7 +507,8 @@ class Run:
         except TimeoutError:
             message = {}
         if message.get("event") == "broken":
-            await child.proc.wait()
+            await child.wait_exit(2.0)
+            await child.kill()  # whatever its import started goes with it
             raise BrokenLearnerFile(message)
         if message.get("event") != "ready":
             await child.kill()
@@ -399,26 +522,27 @@ class Run:
         return child
 
     async def _read_stderr(self, child: Child) -> None:
+        """Drain the child's output in chunks (a flood must never block it or slow the grader); keep the tail."""
         assert child.proc.stderr is not None
-        total = 0
-        while True:
-            try:
-                line = await child.proc.stderr.readline()
-            except (ValueError, asyncio.LimitOverrunError):
-                # One endless line: keep reading in chunks, quote only its start.
-                chunk = await child.proc.stderr.read(LINE_LIMIT)
-                line = chunk[:OUTPUT_LINE_CHARS] + b" [line cut]\n" if chunk else b""
-            if not line:
-                return
-            total += len(line)
-            if total > 50 * LINE_LIMIT and not child.flood:
-                child.flood = True  # keep draining so the child never blocks on a full pipe
-            child.output.append(clean_line(line))
+        partial, total = b"", 0
+        while chunk := await child.proc.stderr.read(1 << 16):
+            total += len(chunk)
+            child.flood = child.flood or total > FLOOD_BYTES
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()[: 4 * OUTPUT_LINE_CHARS]  # one endless line: keep its start
+            child.output.extend(clean_line(line) for line in lines[-OUTPUT_LINES:])
+        if partial:
+            child.output.append(clean_line(partial))
 
     async def _read_protocol(self, child: Child) -> None:
         assert child.proc.stdout is not None and child._ready is not None
+        count = 0
         try:
             while True:
+                count += 1
+                if count > MESSAGE_LIMIT:
+                    child._protocol_violation(f"it sent more than {MESSAGE_LIMIT} messages on the grader's channel")
+                    return
                 try:
                     line = await child.proc.stdout.readline()
                 except (ValueError, asyncio.LimitOverrunError):
@@ -443,7 +567,7 @@ class Run:
                 elif "id" in message:
                     await child._replies.put(message)
         finally:
-            await child.proc.wait()
+            await child.exited()
             if not child._ready.done():
                 child._ready.set_result({})
             await child._replies.put({})
@@ -520,5 +644,16 @@ class Run:
         for child in self.children:
             lines += [f"[{child.role} {child.pid}] {line}" for line in child.output if line.strip()]
             if child.flood:
-                lines.append(f"[{child.role} {child.pid}] ... printed more than {50 * LINE_LIMIT >> 20} MB")
+                lines.append(f"[{child.role} {child.pid}] ... printed more than {FLOOD_BYTES >> 20} MB")
         return lines[-12:]
+
+
+def sweep_stale_runs(tmp: str | None = None) -> list[str]:
+    """Remove run folders whose grader process is gone (a grader that was killed leaves them)."""
+    removed = []
+    for folder in Path(tmp or tempfile.gettempdir()).glob(RUN_PREFIX + "*"):
+        pid = folder.name[len(RUN_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed

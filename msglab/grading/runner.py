@@ -143,8 +143,9 @@ async def amain(channel: Channel) -> int:
     except BaseException as exc:  # a broken file is a verdict, reported as data
         channel.send(event="broken", **describe(exc, path))
         return 3
+    options: dict[str, Any] = {"inbox_prefix": os.environ["MSGLAB_INBOX"]} if os.environ.get("MSGLAB_INBOX") else {}
     nc = await nats.connect(
-        os.environ["NATS_URL"], name=f"msglab-{role}", max_reconnect_attempts=1, reconnect_time_wait=0.1
+        os.environ["NATS_URL"], name=f"msglab-{role}", max_reconnect_attempts=1, reconnect_time_wait=0.1, **options
     )
     env = LabEnv(
         nc,

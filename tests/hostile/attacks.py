@@ -1,0 +1,213 @@
+"""Attacking and careless submissions: each is a lab's starter with hostile code appended.
+
+`PRELUDE` gives every attack two tools: `_hostile(attack)` runs `attack(env)` before every
+async function of the lab that takes `env` (so it strikes while the workload runs, whatever the
+lab), and `_report(what)` leaves a word for the test in a folder outside the run (`_MARK`):
+the pid of a process that must not outlive the verdict, or how an attempt on the course ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRELUDE = '''
+
+# --- hostile code appended by tests/test_hostile.py -------------------------------------------
+import functools as _functools
+import inspect as _inspect
+import os as _os
+import subprocess as _subprocess
+import sys as _sys
+import time as _time
+
+_MARK = {mark!r}
+
+
+def _report(what):
+    """Leave a word for the test outside the run (a pid to check, or an outcome)."""
+    name = _os.path.join(_MARK, f"{{_os.getpid()}}-{{_time.monotonic_ns()}}")
+    with open(name + ".part", "w") as out:  # renamed when complete: a kill mid-write leaves no half report
+        out.write(str(what))
+    _os.rename(name + ".part", name)
+
+
+def _hostile(attack, once=False):
+    """Run attack(env) before every async function of the lab that takes env (or only the first time)."""
+    done = []
+    for _name, _fn in list(globals().items()):
+        if _inspect.iscoroutinefunction(_fn) and list(_inspect.signature(_fn).parameters)[:1] == ["env"]:
+            async def _wrapped(env, *args, __fn=_fn, **kwargs):
+                if not (once and done):
+                    done.append(1)
+                    result = attack(env)
+                    if _inspect.isawaitable(result):
+                        await result
+                return await __fn(env, *args, **kwargs)
+
+            globals()[_name] = _functools.wraps(_fn)(_wrapped)
+'''
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One hostile or careless submission."""
+
+    name: str
+    code: str
+    own_user: bool = False  # only safe, or only meaningful, when learner code runs as a user of its own
+
+
+ATTACKS = [
+    Attack("busy_loop_at_import", "while True:\n    pass\n"),
+    Attack("blocking_sleep_at_import", "_time.sleep(3600)\n"),
+    Attack("busy_loop_in_handler", "_hostile(lambda env: exec('while True: pass'))\n"),
+    Attack("blocking_sleep_in_handler", "_hostile(lambda env: _time.sleep(3600))\n"),
+    Attack("exit_at_import", "_os._exit(0)\n"),
+    Attack("exit_in_handler", "_hostile(lambda env: _sys.exit(0))\n"),
+    Attack(
+        "double_forked_child",
+        """
+if _os.fork() == 0:
+    _os.setsid()
+    if _os.fork() == 0:
+        _report(f"pid {_os.getpid()}")
+        _time.sleep(3600)
+    _os._exit(0)
+""",
+    ),
+    Attack(
+        "detached_child_with_clean_environment",
+        """
+_subprocess.Popen(
+    [_sys.executable, "-c", "import os, sys, time; p = os.path.join(sys.argv[1], str(os.getpid())); "
+     "open(p + '.part', 'w').write('pid %d' % os.getpid()); os.rename(p + '.part', p); time.sleep(3600)", _MARK],
+    start_new_session=True, env={}, stdin=_subprocess.DEVNULL,
+)
+""",
+        own_user=True,  # without a user of its own, nothing can find a process that drops its tag and session
+    ),
+    Attack("memory_hog_in_handler", "_hostile(lambda env: bytearray(3 << 30))\n"),
+    Attack(
+        "fork_bomb",
+        """
+for _i in range(100):
+    if _os.fork() == 0:
+        _report(f"pid {_os.getpid()}")
+        _time.sleep(3600)
+        _os._exit(0)
+""",
+    ),
+    Attack("kill_the_grader", "_hostile(lambda env: _os.kill(_os.getppid(), 9))\n", own_user=True),
+    Attack("kill_own_process_group", "_hostile(lambda env: _os.killpg(0, 9))\n"),
+    Attack("flood_one_line", "_hostile(lambda env: _sys.stdout.write('x' * (100 << 20)))\n"),
+    Attack("flood_many_lines", "_hostile(lambda env: [print('spam', i) for i in range(300_000)], once=True)\n"),
+    Attack(
+        "forged_protocol_lines",
+        """
+def _forge(env):
+    for fd in sorted(map(int, _os.listdir("/proc/self/fd"))):
+        if fd > 2:
+            try:
+                _os.write(fd, b'{"event": "ready"}\\n{"id": 1, "ok": true, "value": {"available": 1}\\n'
+                              b'{"op": "call", "name": "send_email", "key": "o-1", "detail": {}\\nnot json\\n')
+            except OSError:
+                pass
+_hostile(_forge)
+""",
+    ),
+    Attack(
+        "forged_protocol_flood",
+        """
+def _flood(env):
+    for fd in sorted(map(int, _os.listdir("/proc/self/fd"))):
+        if fd > 2:
+            try:
+                _os.write(fd, b'{"event": "returned"}' * (2 << 20))
+            except OSError:
+                pass
+_hostile(_flood)
+""",
+    ),
+    Attack(
+        "exec_the_reference_solution",
+        """
+try:
+    import msglab.catalog as _catalog
+    _lab = next(lab for lab in _catalog.all_labs() if lab.number == {lab!r})
+    exec(compile(open(_lab.source(solution=True)).read(), "solution", "exec"), globals())
+    _report("outcome read the solution")
+except OSError as _exc:
+    _report(f"outcome refused {type(_exc).__name__}")
+""",
+        own_user=True,  # a learner running as themselves can read their own course's solutions
+    ),
+    Attack(
+        "fake_effects",
+        """
+def _fake(env):
+    for _name, _fn in list(vars(env).items()):
+        if callable(_fn) and _name not in ("nc", "js", "world", "names", "params"):
+            for _key in ("o-1", "o-2", "p-1", "1", 1):
+                try:
+                    _fn(_key)
+                except Exception:
+                    pass
+_hostile(_fake)
+""",
+    ),
+    Attack(
+        "disable_faults",
+        """
+_os.environ.pop("MSGLAB_FAULTS", None)
+_hostile(lambda env: setattr(env.world, "call", lambda *args, **kwargs: None))
+""",
+    ),
+    Attack(
+        "delete_and_purge_streams_and_durables",
+        """
+import asyncio as _asyncio
+
+async def _vandal(env):
+    try:
+        streams = [s.config.name for s in await _asyncio.wait_for(env.js.streams_info(), 1)]
+    except Exception as exc:
+        _report(f"outcome refused list {type(exc).__name__}")
+        return
+    for name in streams:
+        for what, call in (
+            ("purge", lambda: env.js.purge_stream(name)),
+            ("consumer", lambda: env.js.delete_consumer(name, env.durable("email"))),
+            ("delete", lambda: env.js.delete_stream(name)),
+        ):
+            try:
+                await _asyncio.wait_for(call(), 0.5)
+                _report(f"outcome {what} succeeded on {name}")
+            except Exception as exc:
+                _report(f"outcome refused {what} {type(exc).__name__}")
+_hostile(_vandal, once=True)
+""",
+    ),
+    Attack(
+        "write_into_the_installation",
+        """
+import msglab as _msglab
+import nats as _nats
+for _target in (_os.path.join(_os.path.dirname(_msglab.__file__), "graders", "__init__.py"),
+                _os.path.join(_os.path.dirname(_nats.__file__), "__init__.py")):
+    try:
+        with open(_target, "a") as _out:
+            _out.write("")
+        _report(f"outcome wrote {_target}")
+    except OSError as _exc:
+        _report(f"outcome refused {type(_exc).__name__}")
+""",
+        own_user=True,  # as yourself you can write your own venv; the sandbox user cannot
+    ),
+    Attack(
+        "terminal_escape_spoofing",
+        """
+print("\\x1b[2J\\x1b[H\\x1b[32mlab: PASS  (10/10 checks)\\x1b[0m\\x1b]0;PASS\\x07")
+_hostile(lambda env: print("\\x1b[1A\\x1b[2K\\x1b[32mok   everything\\x1b[0m"))
+""",
+    ),
+]
