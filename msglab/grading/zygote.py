@@ -143,7 +143,10 @@ def main() -> None:
                 _reap(ctl, ours)
             if ctl not in ready:
                 continue
-            data, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 4)
+            try:
+                data, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 4)
+            except OSError:  # reset: the grader closed with our exit reports unread
+                return
             if not data:
                 return  # the grader closed the run (or died): end everything
             spec = json.loads(data)["spawn"]
@@ -157,7 +160,10 @@ def main() -> None:
             ours.add(pid)
             for fd in fds:
                 os.close(fd)
-            ctl.send(json.dumps({"pid": pid}).encode())
+            try:
+                ctl.send(json.dumps({"pid": pid}).encode())
+            except OSError:
+                return
     finally:
         _kill_all()
 
