@@ -268,7 +268,7 @@ class Run:
         self.sandbox.give(Path(self.home))
         if self.sandbox.uid is not None:
             protect_solutions(course_root())
-        self.source = self._copy_source(self.source)
+        self.source = await asyncio.to_thread(self._copy_source, self.source)
         # The fork server imports Python's and nats' start-up cost once, while the broker starts.
         zygote = asyncio.ensure_future(Zygote(self.grader).start())
         try:
