@@ -1,6 +1,7 @@
 """msglab: the plumbing of a hands-on course on reliable messaging with NATS JetStream.
 
-Notebooks call it in one line: `nc, js = await msglab.connect()`, `msglab.check("01")`.
+Notebooks call it in one line: `nc, js = await msglab.connect()`, `msglab.check("01")`,
+`msglab.hint("01")`, `msglab.progress()`.
 Everything heavy (nats, Jupyter, widgets, charts) is imported only where it is used, so the
 check path stays fast.
 """
@@ -33,6 +34,20 @@ def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Any:
     return notebook_check(lab, solution=solution, seed=seed)
 
 
+def hint(lab: str) -> Any:
+    """The hints open for the checks that failed in your last check of a lab (as `msglab hint NN`)."""
+    from msglab.notebook import hint as notebook_hint
+
+    return notebook_hint(lab)
+
+
+def progress() -> Any:
+    """Every lab: passed or not, when it first passed and with which seed, attempts (an HTML table)."""
+    from msglab.notebook import progress as notebook_progress
+
+    return notebook_progress()
+
+
 async def playground(lab: str, solution: bool = False) -> tuple[Any, Any]:
     """Return (env, your lab module) to try your lab code by hand; see msglab.notebook.tryout."""
     from msglab.notebook.tryout import playground as make
@@ -45,3 +60,10 @@ async def playground_close(env: Any) -> None:
     from msglab.notebook.tryout import close
 
     await close(env)
+
+
+def predict(question: str, choices: list[str] | None = None) -> Any:
+    """Ask for the learner's guess before an experiment; `.reveal(measured)` compares after it."""
+    from msglab.notebook.predict import predict as ask
+
+    return ask(question, choices)

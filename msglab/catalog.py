@@ -1,8 +1,8 @@
 """The course's table of contents: lessons, labs and solutions, found by their numbered names.
 
-`labs/NN_name/` holds what the learner edits plus `lab.toml` (its metadata, as rustlings keeps
-info.toml beside each exercise); `solutions/NN_name/` holds the same file solved; the grader is
-`msglab.graders.name` (the name without its number).
+`labs/NN_name/` holds what the learner edits plus `lab.toml` (its metadata and hints, as rustlings
+keeps info.toml beside each exercise); `solutions/NN_name/` holds the same file solved; the grader
+is `msglab.graders.name` (the name without its number).
 """
 
 from __future__ import annotations
@@ -10,18 +10,33 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from msglab.errors import NotebookError, UnknownLab
+from msglab.errors import LabError, NotebookError, UnknownLab
 
 NAME_RULE = re.compile(r"^(\d\d)_([a-z0-9_]+)$")
+HINT_KEYS = ("concept", "lesson", "code")  # what a lab.toml `[hints.<check id>]` table may hold
 
 
 def course_root() -> Path:
     """The checkout's top folder (MSGLAB_ROOT overrides, for graders run elsewhere)."""
     env = os.environ.get("MSGLAB_ROOT")
     return Path(env).resolve() if env else Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Hint:
+    """The levels of help for one check, from lab.toml's `[hints.<check id>]` (level 1 is the verdict)."""
+
+    concept: str = ""  # level 2: the idea, no code
+    lesson: str = ""  # level 2: where a lesson cell shows it
+    code: str = ""  # level 3: code-level
+
+    @property
+    def top_level(self) -> int:
+        """The highest level this hint has content for (1: nothing beyond the verdict)."""
+        return 3 if self.code else 2 if self.concept or self.lesson else 1
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,8 @@ class Lab:
     file: str  # the file the grader imports, relative to the lab folder
     folder: Path
     solution_folder: Path
+    lesson: str = ""  # the lesson notebook, relative to the course root
+    hints: dict[str, Hint] = field(default_factory=dict, compare=False, hash=False)  # by check id
 
     @property
     def topic(self) -> str:
@@ -56,7 +73,10 @@ def all_labs(root: Path | None = None) -> list[Lab]:
         match = NAME_RULE.match(folder.parent.name)
         if not match:
             continue
-        meta = tomllib.loads(folder.read_text())
+        try:
+            meta = tomllib.loads(folder.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise LabError(f"{folder} is not valid TOML: {exc}", hint="fix that line of the lab's lab.toml") from exc
         labs.append(
             Lab(
                 number=match.group(1),
@@ -65,9 +85,37 @@ def all_labs(root: Path | None = None) -> list[Lab]:
                 file=meta["file"],
                 folder=folder.parent,
                 solution_folder=root / "solutions" / folder.parent.name,
+                lesson=str(meta.get("lesson", "")),
+                hints=_read_hints(folder, meta.get("hints", {})),
             )
         )
     return labs
+
+
+def _read_hints(toml_path: Path, table: object) -> dict[str, Hint]:
+    """Parse `[hints.<check id>]` tables; a typo is the course's bug, so name the file and the key."""
+
+    def broken(what: str) -> LabError:
+        return LabError(f"{toml_path}: {what}", hint="hints are tables [hints.<check id>] with concept, lesson, code")
+
+    if not isinstance(table, dict):
+        raise broken("`hints` is not a table")
+    hints = {}
+    for check_id, levels in table.items():
+        if not isinstance(levels, dict):
+            raise broken(f"hints.{check_id} is not a table")
+        if set(levels) - set(HINT_KEYS) or not all(isinstance(v, str) for v in levels.values()):
+            raise broken(f"hints.{check_id} may only hold the strings {', '.join(HINT_KEYS)} (got {sorted(levels)})")
+        hints[check_id] = Hint(**{k: v.strip() for k, v in levels.items()})
+    return hints
+
+
+def display_path(path: Path) -> str:
+    """A path the learner can open: relative to the current folder inside the course, else absolute."""
+    path, here, root = path.resolve(), Path.cwd().resolve(), course_root()
+    if here.is_relative_to(root) and path.is_relative_to(root):
+        return os.path.relpath(path, here)
+    return str(path)
 
 
 def find_lab(key: str, root: Path | None = None) -> Lab:

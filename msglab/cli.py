@@ -1,29 +1,159 @@
-"""The `msglab` command: check a lab, run a server, diagnose the set-up, open the course.
+"""The `msglab` command: check a lab, get hints, see progress, reset or watch a lab, run a server.
 
-Exit codes: 0 pass (or success), 1 a lab check failed, 2 usage or environment error.
+Exit codes: 0 pass (or success), 1 a lab check failed, 2 usage or environment error, 141 the
+reader of our output went away (`msglab check 01 | head -1`), as for a process killed by SIGPIPE.
+With `--json`, errors are JSON on stdout too: {"error": "...", "hint": "..."}.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from msglab.errors import MsglabError
+
+if TYPE_CHECKING:
+    from msglab.grading.verdict import Verdict
+
+WATCH_POLL = 0.3  # seconds between looks at the watched file: a stat, cheap enough to feel instant
 
 
 def _check(args: argparse.Namespace) -> int:
     from msglab.grading.grade import grade
 
     verdict = grade(args.lab, solution=args.solution, seed=args.seed)
+    if not args.solution:
+        _record(verdict)
     print(verdict.to_json() if args.json else verdict.to_text())
     return 0 if verdict.passed else 1
 
 
-def _list(args: argparse.Namespace) -> int:
-    from msglab.catalog import all_labs
+def _record(verdict: Verdict) -> None:
+    """Count the verdict as an attempt and add its notes; a state folder we cannot write costs no verdict."""
+    from msglab.attempts import record
 
-    for lab in all_labs():
-        print(f"{lab.number}  {lab.name:<36} {lab.title}   (edit {lab.folder.name}/{lab.file})")
+    try:
+        verdict.notes += record(verdict)
+    except MsglabError as exc:
+        print(f"msglab: this attempt was not recorded: {exc}", file=sys.stderr)
+
+
+def _hint(args: argparse.Namespace) -> int:
+    from msglab.attempts import hint_text
+    from msglab.catalog import find_lab
+
+    print(hint_text(find_lab(args.lab)))
+    return 0
+
+
+def _progress(args: argparse.Namespace) -> int:
+    from msglab.attempts import progress
+
+    print(progress().to_text())
+    return 0
+
+
+def _reset(args: argparse.Namespace) -> int:
+    from msglab.attempts import reset_lab
+    from msglab.catalog import display_path, find_lab
+
+    lab = find_lab(args.lab)
+    outcome = reset_lab(lab)
+    shown = display_path(outcome.path)
+    if not outcome.restored:
+        print(f"{shown} is already the starter as committed: nothing to reset.")
+        return 0
+    if outcome.backup:
+        print(f"your version of {shown} is saved as {display_path(outcome.backup)}")
+    print(f"{shown} is the starter again (as committed in git); `msglab check {lab.number}` grades it")
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """Re-grade on every save that changes the file's content, until Ctrl-C (exit 0)."""
+    from msglab.catalog import display_path, find_lab
+
+    lab = find_lab(args.lab)
+    path = lab.source()
+    changes = FileChanges(path)
+    clear = not args.no_clear and sys.stdout.isatty()
+    try:
+        while True:
+            if changes.changed():
+                if clear:
+                    print("\033[2J\033[H", end="")
+                _watch_once(lab.number, path)
+                print(f"waiting for changes to {display_path(path)}... (Ctrl-C to stop)", flush=True)
+            time.sleep(WATCH_POLL)
+    except KeyboardInterrupt:
+        print(flush=True)
+        return 0
+
+
+class FileChanges:
+    """Whether a file's content changed since last asked: a cheap stat every time, a hash only when it moved.
+
+    The hash is why an editor's save of unchanged content (a new mtime) does not re-grade.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stamp: tuple[int, int] | None = None  # (mtime, size) when last looked at
+        self.digest: str | None = None  # content hash when last reported as changed
+
+    def changed(self) -> bool:
+        try:
+            info = self.path.stat()
+            stamp: tuple[int, int] | None = (info.st_mtime_ns, info.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self.stamp and self.digest is not None:
+            return False
+        self.stamp = stamp
+        try:
+            digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            digest = "missing"
+        if digest == self.digest:
+            return False
+        self.digest = digest
+        return True
+
+
+def _watch_once(number: str, path: Path) -> None:
+    from msglab.grading.grade import grade
+
+    if not path.is_file():
+        print(f"{path} does not exist; `msglab reset {number}` restores the starter")
+        return
+    try:
+        verdict = grade(number)
+    except MsglabError as exc:  # no server, a grader bug: say so and keep watching
+        print(f"msglab: {exc}")
+        return
+    _record(verdict)
+    print(verdict.to_text())
+
+
+def _list(args: argparse.Namespace) -> int:
+    from msglab.attempts import progress
+    from msglab.catalog import display_path
+
+    report = progress()
+    if report.notice:
+        print(f"msglab: {report.notice}", file=sys.stderr)
+    rows = report.rows
+    title = max((len(row.lab.title) for row in rows), default=0)
+    status = max((len(row.status) for row in rows), default=0)
+    for row in rows:
+        where = display_path(row.lab.source())
+        print(f"{row.lab.number}  {row.lab.title:<{title}}  {row.status:<{status}}  edit {where}")
     return 0
 
 
@@ -57,18 +187,36 @@ def _lab(args: argparse.Namespace) -> int:
     return run_lab(port=args.port, open_browser=not args.no_browser)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is a MsglabError, so that `--json` can answer it in JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise MsglabError(message, hint=self.format_usage().strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="msglab", description="A hands-on course on reliable messaging with NATS JetStream."
-    )
+    parser = _Parser(prog="msglab", description="A hands-on course on reliable messaging with NATS JetStream.")
     sub = parser.add_subparsers(dest="command", required=True)
+    lab_help = "lab number or name, e.g. 01 or 01_request_reply_vs_events"
     check = sub.add_parser("check", help="grade a lab against a real server under injected faults")
-    check.add_argument("lab", help="lab number or name, e.g. 01 or 01_request_reply_vs_events")
+    check.add_argument("lab", help=lab_help)
     check.add_argument("--solution", action="store_true", help="grade the reference solution instead of your file")
     check.add_argument("--seed", type=int, help="replay the faults of an earlier run")
-    check.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    check.add_argument("--json", action="store_true", help="print the verdict (or the error) as JSON")
     check.set_defaults(func=_check)
-    sub.add_parser("list", help="list the labs").set_defaults(func=_list)
+    hint = sub.add_parser("hint", help="the hints open for the checks that failed in your last check")
+    hint.add_argument("lab", help=lab_help)
+    hint.set_defaults(func=_hint)
+    progress = sub.add_parser("progress", help="every lab: passed or not, when, with which seed, attempts")
+    progress.set_defaults(func=_progress)
+    reset = sub.add_parser("reset", help="restore a lab's starter file from git (your version is backed up)")
+    reset.add_argument("lab", help=lab_help)
+    reset.set_defaults(func=_reset)
+    watch = sub.add_parser("watch", help="re-grade a lab every time you save its file")
+    watch.add_argument("lab", help=lab_help)
+    watch.add_argument("--no-clear", action="store_true", help="do not clear the screen before each verdict")
+    watch.set_defaults(func=_watch)
+    sub.add_parser("list", help="list the labs, the files to edit and your status").set_defaults(func=_list)
     sub.add_parser("server", help="run a JetStream server in the foreground").set_defaults(func=_server)
     sub.add_parser("doctor", help="say what works and what to do about what does not").set_defaults(func=_doctor)
     lab = sub.add_parser("lab", help="open the course in JupyterLab, with a shared server")
@@ -80,18 +228,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 pass, 1 fail, 2 usage or environment error)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
-        return int(exc.code or 0)
-    try:
-        return int(args.func(args))
-    except MsglabError as exc:
+        try:
+            args = build_parser().parse_args(argv)
+            code = int(args.func(args))
+        except SystemExit as exc:  # --help
+            return int(exc.code or 0)
+        except MsglabError as exc:
+            _error(exc, as_json="--json" in argv)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader left (`| head -1`): stop quietly, and keep Python from failing again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _error(exc: MsglabError, as_json: bool) -> None:
+    if as_json:
+        message = exc.args[0] if exc.args else str(exc)
+        print(json.dumps({"error": message, "hint": exc.hint}))
+    else:
         print(f"msglab: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

@@ -3,17 +3,53 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, run_cli
 
 from msglab.broker.server import EmbeddedServer
+from msglab.grading.verdict import Check, Verdict
+
+LAB01 = "01_request_reply_vs_events"
 
 
-def test_check_solution_passes_with_exit_0_and_names_the_server() -> None:
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Attempts these tests record go to a temporary folder, never the checkout's .msglab/."""
+    folder = tmp_path / "state"
+    monkeypatch.setenv("MSGLAB_STATE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def course(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A course of lab 01 alone (its folder and solution as they are now), for tests that edit it."""
+    root = tmp_path / "course"
+    for folder in ("labs", "solutions"):
+        shutil.copytree(ROOT / folder / LAB01, root / folder / LAB01, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("MSGLAB_ROOT", str(root))
+    return root
+
+
+def cli_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+
+
+def test_check_solution_passes_with_exit_0_and_names_the_server(state_dir: Path) -> None:
     done = run_cli("check", "01", "--solution", "--seed", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS" in done.stdout and "nats-server" in done.stdout
+    assert not state_dir.exists(), "grading the reference solution is no attempt of the learner's"
 
 
 def test_check_starter_fails_with_exit_1_and_prints_how_to_replay() -> None:
@@ -27,7 +63,8 @@ def test_json_verdict_is_machine_readable_for_autograders() -> None:
     done = run_cli("check", "01_request_reply_vs_events", "--solution", "--json", "--seed", "2")
     verdict = json.loads(done.stdout)
     assert verdict["passed"] is True and verdict["seed"] == 2
-    assert {c["name"] for c in verdict["checks"]} >= {"no_lost_emails", "request_reply_no_responders"}
+    assert {c["name"] for c in verdict["checks"]} >= {"no_lost_emails", "faults_fired"}
+    assert all(c["hint"] == "" for c in verdict["checks"]), "a passed check carries no hint"
 
 
 def test_unknown_lab_is_a_usage_error_that_lists_the_labs() -> None:
@@ -127,3 +164,148 @@ def test_playground_can_be_called_again_after_an_edit(no_nats_url: None) -> None
 
     asyncio.run(twice())
     assert callable(msglab.playground)
+
+
+def test_failing_the_same_check_twice_opens_level_2_and_hint_prints_it(course: Path) -> None:
+    first = run_cli("check", "01", "--seed", "7", "--json")
+    assert first.returncode == 1, first.stdout + first.stderr
+    target = next(c for c in json.loads(first.stdout)["checks"] if not c["passed"])
+    assert not any("now shows" in note for note in json.loads(first.stdout)["notes"])  # level 1: the verdict
+    toml = course / "labs" / LAB01 / "lab.toml"
+    toml.write_text(
+        'title = "Lab 01"\nfile = "orders.py"\n'
+        f'[hints.{target["name"]}]\nconcept = "THE IDEA"\nlesson = "section 2"\ncode = "THE CODE"\n'
+    )
+    second = run_cli("check", "01", "--seed", "7")
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "`msglab hint 01` now shows level 2" in second.stdout and target["title"] in second.stdout
+    assert "solution" not in second.stdout  # two failed attempts are too few for that
+    hint = run_cli("hint", "01")
+    assert "THE IDEA" in hint.stdout and "section 2" in hint.stdout and "THE CODE" not in hint.stdout
+    assert "level 3 opens if this check fails again" in hint.stdout
+
+
+def test_progress_after_a_pass_shows_when_and_the_seed(course: Path) -> None:
+    shutil.copy(course / "solutions" / LAB01 / "orders.py", course / "labs" / LAB01 / "orders.py")
+    assert run_cli("check", "01", "--seed", "5").returncode == 0
+    done = run_cli("progress")
+    row = next(line for line in done.stdout.splitlines() if line.startswith(LAB01))
+    assert "passed" in row and f"{datetime.now():%Y-%m-%d}" in row and row.endswith("seed 5"), done.stdout
+    assert "passed" in run_cli("list").stdout
+    assert "passed; no hints needed" in run_cli("hint", "01").stdout
+
+
+def test_watch_regrades_on_save_and_stops_cleanly_on_ctrl_c(course: Path) -> None:
+    lab_file = course / "labs" / LAB01 / "orders.py"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "msglab", "watch", "01", "--no-clear"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=course, env=cli_env(),
+    )  # fmt: skip
+    out, err = proc.stdout, proc.stderr
+    assert out is not None and err is not None
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:  # a thread reads, so that waiting for a line can have a deadline
+        for line in out:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+    def wait_for(start: str, deadline: float = 60) -> list[str]:
+        """The lines up to the first that starts with `start`; queue.Empty if none comes in time."""
+        seen: list[str] = []
+        until = time.monotonic() + deadline
+        while not (seen and seen[-1].startswith(start)):
+            seen.append(lines.get(timeout=max(until - time.monotonic(), 0)))
+        return seen
+
+    try:
+        first = wait_for(f"waiting for changes to labs/{LAB01}/orders.py... (Ctrl-C to stop)")
+        assert first[0].startswith(f"lab {LAB01}: FAIL"), first
+        lab_file.write_text((course / "solutions" / LAB01 / "orders.py").read_text())
+        second = wait_for("waiting for changes")
+        assert second[0].startswith(f"lab {LAB01}: PASS"), second
+    finally:
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+    assert "Traceback" not in err.read()
+
+
+def test_a_save_that_does_not_change_the_content_is_no_change(tmp_path: Path) -> None:
+    from msglab.cli import FileChanges
+
+    path = tmp_path / "orders.py"
+    path.write_text("v1")
+    changes = FileChanges(path)
+    assert changes.changed()  # the first look grades
+    os.utime(path, ns=(1, 1))  # saved again, same content: a new mtime only
+    assert not changes.changed()
+    path.write_text("v2")
+    assert changes.changed() and not changes.changed()
+    path.unlink()
+    assert changes.changed()  # a deleted file is news too
+
+
+def test_a_closed_pipe_ends_the_output_quietly() -> None:
+    for args in (["list"], ["check", "01", "--solution", "--seed", "1"]):
+        read, write = os.pipe()
+        os.close(read)  # like `| head -1` that has already gone
+        done = subprocess.run(
+            [sys.executable, "-m", "msglab", *args], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env=cli_env(), timeout=120,
+        )  # fmt: skip
+        os.close(write)
+        assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "error"),
+    [
+        (["check", "99", "--json"], {}, "there is no lab called '99'"),
+        (["check", "--json"], {}, "the following arguments are required: lab"),
+        (["check", "01", "--json", "--seed", "x"], {}, "invalid int value: 'x'"),
+        (["check", "01", "--json"], {"NATS_URL": "nats://127.0.0.1:1"}, "no NATS server answers"),
+    ],
+)
+def test_json_errors_come_as_json_with_exit_2(args: list[str], env: dict[str, str], error: str) -> None:
+    done = run_cli(*args, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    answer = json.loads(done.stdout)
+    assert error in answer["error"] and answer["hint"], answer
+
+
+def test_list_prints_paths_the_learner_can_open_and_the_status(tmp_path: Path) -> None:
+    for cwd, prefix in ((ROOT, "labs/"), (ROOT / "labs", ""), (tmp_path, f"{ROOT}/labs/")):
+        done = subprocess.run(
+            [sys.executable, "-m", "msglab", "list"], capture_output=True, text=True, cwd=cwd, env=cli_env()
+        )
+        assert done.returncode == 0, done.stderr
+        for line in done.stdout.splitlines():
+            where = line.split(" edit ")[1]
+            assert where.startswith(prefix) and (cwd / where).is_file(), line
+            assert "not tried" in line  # nothing recorded in this test's state folder
+
+
+def test_a_passed_check_carries_no_hint_in_text_json_or_html() -> None:
+    verdict = Verdict(
+        lab=LAB01, graded="labs/x.py", seed=1,
+        checks=[Check("kept", "an invariant that held", True, hint="A HINT THAT MUST NOT SHOW")],
+    )  # fmt: skip
+    for shown in (verdict.to_text(), verdict.to_json(), verdict._repr_html_()):
+        assert "A HINT THAT MUST NOT SHOW" not in shown
+
+
+def test_a_grader_error_exits_2_and_says_it_is_the_courses_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state_dir: Path
+) -> None:
+    lab = tmp_path / "course" / "labs" / "01_no_such_grader"
+    lab.mkdir(parents=True)
+    (lab / "lab.toml").write_text('title = "A lab whose grader is missing"\nfile = "x.py"\n')
+    (lab / "x.py").write_text("x = 1\n")  # real code: an empty file is the learner's FAIL
+    monkeypatch.setenv("MSGLAB_ROOT", str(tmp_path / "course"))
+    done = run_cli("check", "01")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "failed inside the grader" in done.stderr and "this is the course's fault" in done.stderr
+    as_json = json.loads(run_cli("check", "01", "--json").stdout)
+    assert "course's fault" in as_json["hint"]
+    assert not state_dir.exists(), "a grader error is no attempt"

@@ -1,13 +1,14 @@
 """What a grader returns: named checks over invariants, with evidence, one hint, and the seed.
 
 Rendered three ways from one object: plain text (CLI), JSON (`--json`, autograders) and HTML
-(notebooks). A verdict never starts with a stack trace.
+(notebooks). A verdict never starts with a stack trace, and a passed check carries no hint.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 
@@ -35,6 +36,7 @@ class Verdict:
     server: str = ""
     output: list[str] = field(default_factory=list)  # the tail of what the learner's code printed
     solution: bool = False  # graded solutions/ instead of labs/
+    notes: list[str] = field(default_factory=list)  # from the attempt history: hint levels now open, ...
 
     @property
     def passed(self) -> bool:
@@ -51,6 +53,9 @@ class Verdict:
     def to_json(self) -> str:
         data = asdict(self)
         data["passed"] = self.passed
+        for check in data["checks"]:
+            if check["passed"]:
+                check["hint"] = ""
         return json.dumps(data, indent=2)
 
     @classmethod
@@ -76,10 +81,11 @@ class Verdict:
                     lines += [f"         {step}" for step in check.trace]
                 if check.hint:
                     lines.append(f"       hint: {check.hint}")
+        if not self.passed and self.output:
+            lines.append("  your code printed (last lines):")
+            lines += [f"    | {line}" for line in self.output[-8:]]
+        lines += [f"  {note}" for note in self.notes]
         if not self.passed:
-            if self.output:
-                lines.append("  your code printed (last lines):")
-                lines += [f"    | {line}" for line in self.output[-8:]]
             lines.append(f"  replay this exact run: {self.replay_command()}")
         return "\n".join(lines)
 
@@ -100,9 +106,17 @@ class Verdict:
                 f"<tr><td style='vertical-align:top'>{mark}</td><td><b>{html.escape(check.title)}</b>{detail}</td></tr>"
             )
         head = "PASS" if self.passed else "FAIL"
+        notes = "".join(f"<div>{_notebook_words(note)}</div>" for note in self.notes)
         replay = "" if self.passed else f"<div>replay: <code>{html.escape(self.replay_command())}</code></div>"
         return (
             f"<div class='msglab-verdict'><h4 style='color:{colour}'>Lab {html.escape(self.lab)}: {head}</h4>"
             f"<div>seed {self.seed} · {self.seconds:.1f} s · {html.escape(self.graded)}</div>"
-            f"<table>{''.join(rows)}</table>{replay}</div>"
+            f"<table>{''.join(rows)}</table>{notes}{replay}</div>"
         )
+
+
+def _notebook_words(note: str) -> str:
+    """A note as HTML, its commands as a notebook cell calls them (`msglab hint 01` -> msglab.hint("01"))."""
+    text = re.sub(r"`msglab hint (\d+)`", r'`msglab.hint("\1")`', note)
+    text = re.sub(r"`msglab check (\d+) --solution`", r'`msglab.check("\1", solution=True)`', text)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
