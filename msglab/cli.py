@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from msglab.errors import MsglabError
 
@@ -158,11 +158,21 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from msglab.broker.server import EmbeddedServer
+    import signal
 
-    server = EmbeddedServer(monitor=True).start()
+    from msglab.broker.server import EmbeddedServer
+    from msglab.broker.users import start_shared_server
+
+    # A shared server: graders on it get a slot each whose user may touch only the slot's names.
+    started, url = start_shared_server(monitor=True)
+    server = cast(EmbeddedServer, started)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM too: the finally below removes the store
+
+    previous = signal.signal(signal.SIGTERM, stop)
     print(f"nats-server {server.version} with JetStream ({server.binary.source}: {server.binary.path})")
-    print(f"  client URL:  {server.url}      export NATS_URL={server.url}")
+    print(f"  client URL:  {url}      export NATS_URL={url}")
     print(f"  monitoring:  http://{server.host}:{server.monitor_port}")
     print("  Ctrl-C stops it (its data is temporary).", flush=True)
     try:
@@ -171,6 +181,7 @@ def _server(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.stop()
     return 0
 

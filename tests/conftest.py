@@ -15,6 +15,13 @@ from msglab.broker.server import EmbeddedServer
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Checks run by tests and notebooks record their attempts in a throwaway folder, never the checkout's."""
+    import tempfile
+
+    os.environ["MSGLAB_STATE_DIR"] = tempfile.mkdtemp(prefix="msglab-test-state-")
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[EmbeddedServer]:
     """One real JetStream server for tests that only need a broker."""

@@ -151,6 +151,41 @@ def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c() -> None:
     assert proc.wait(10) == 0
 
 
+def test_server_command_removes_its_store_on_sigterm() -> None:
+    import asyncio
+    from urllib.parse import urlsplit
+
+    from msglab.broker import connect_js
+
+    proc = subprocess.Popen([sys.executable, "-m", "msglab", "server"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    url = next(word for word in proc.stdout.readline().split() if word.startswith("nats://"))
+    assert urlsplit(url).username == "admin", "graders find their slots through the admin's URL"
+
+    async def store() -> None:
+        nc, js = await connect_js(url)
+        await js.add_stream(name="KEEP", subjects=["keep.>"])
+        await js.publish("keep.it", b"x")
+        await nc.close()
+
+    asyncio.run(store())
+    server_pid = next(p for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), proc.pid))
+    cmdline = Path(f"/proc/{server_pid}/cmdline").read_bytes().split(b"\0")
+    folder = cmdline[cmdline.index(b"-sd") + 1].decode()
+    assert Path(folder).is_dir()
+    proc.terminate()
+    assert proc.wait(10) == 0
+    assert not Path(folder).exists(), "msglab server left its store behind after SIGTERM"
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def test_playground_can_be_called_again_after_an_edit(no_nats_url: None) -> None:
     import asyncio
 
