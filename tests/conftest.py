@@ -22,6 +22,12 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["MSGLAB_STATE_DIR"] = tempfile.mkdtemp(prefix="msglab-test-state-")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    shutil.rmtree(os.environ.get("MSGLAB_STATE_DIR", ""), ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[EmbeddedServer]:
     """One real JetStream server for tests that only need a broker."""
