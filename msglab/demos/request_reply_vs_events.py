@@ -4,23 +4,36 @@
                  subscribed: the server tells a caller "no responders" at once) or silent
                  (subscribed but never answers: the caller waits for its timeout)
     Chain        three services calling each other with request-reply, orders -> inventory ->
-                 payments; each is down for a seeded random share of calls, so thousands of
-                 calls measure the chain's availability in a second or two
+                 payments; each fails each call it receives with a seeded random draw, so
+                 thousands of calls over several seeds measure the chain's availability and its
+                 spread in a few seconds
     EmailWorker  sends one email per order event it fetches from a durable consumer, acks after
     OrderDesk    the same orders placed two ways (wait for email, or publish an event), with the
                  inventory and email services taken up and down: the model behind lesson 01's
                  control panel
+    DiskServer   a nats-server of the lesson's own whose store folder outlives the process, so it
+                 can be stopped and started again on the same store
+    EmailProcess an email worker in a real process of its own (`python -m` this module), which
+                 the lesson SIGKILLs
 
-Every service opens its own connection, as a separate process would, and `close()` removes
-everything it started.
+The services in this kernel each open their own connection, and `close()` removes everything
+they started; they are not processes of their own (EmailProcess is).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import json
+import math
+import os
 import random
+import shutil
+import signal
 import statistics
+import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from msglab.broker import connect, delete_stream, settle_subscriptions
+from msglab.broker.server import EmbeddedServer, die_with_parent
 
 STATES = ("up", "down", "silent")
 CHAIN = ("orders", "inventory", "payments")
@@ -123,6 +137,7 @@ class ChainRun:
     down_at: Counter[str]  # failed calls per service that was down ("timeout" if no answer came at all)
     latencies: list[float]  # seconds, one per call
     seconds: float  # wall time of the whole batch
+    seed: int | None = None  # the seed of the services' random failures, when there were any
 
     @property
     def availability(self) -> float:
@@ -139,6 +154,11 @@ class ChainRun:
         """Median latency of one call, in milliseconds."""
         return statistics.median(self.latencies) * 1000
 
+    @property
+    def failed(self) -> int:
+        """How many calls failed."""
+        return self.calls - self.ok
+
     def __repr__(self) -> str:
         return (
             f"<ChainRun {self.hops} hops: {self.ok}/{self.calls} ok ({self.availability:.4%}), "
@@ -146,42 +166,32 @@ class ChainRun:
         )
 
 
-class _DownSchedule:
-    """Which calls a service is down for: in every block of calls, exactly (1 - availability) of them, at random.
+class _Downtime:
+    """Whether a service is down for each call it receives: one seeded random draw per call.
 
-    The block is the smallest of 100, 1,000, 10,000, 100,000 calls that holds a whole number of
-    failures: up 99.9 % means down for 1 call in every 1,000, at a random position in each.
+    Up 99.9 % means each call finds the service down with probability 0.001, independently of
+    every other call: a thousand calls may see no failure, or three. The same seed and
+    availability give the same draws, so a run can be replayed.
     """
 
     def __init__(self, availability: float, seed: str) -> None:
+        self.availability = availability
         self.rng = random.Random(seed)
-        for size in (100, 1_000, 10_000, 100_000):
-            downs = (1 - availability) * size
-            if abs(downs - round(downs)) < 1e-6:
-                break
-        self.size, self.downs = size, round(downs)
-        self.block: set[int] = set()
-        self.calls = 0
 
     def down(self) -> bool:
         """Whether the next call finds the service down."""
-        position = self.calls % self.size
-        if position == 0:
-            self.block = set(self.rng.sample(range(self.size), self.downs))
-        self.calls += 1
-        return position in self.block
+        return self.rng.random() >= self.availability
 
 
 class Chain:
     """Three services that call each other with request-reply: orders -> inventory -> payments.
 
     A call with `hops=3` enters at orders and needs all three; `hops=1` asks payments alone.
-    Each service is down for a share 1 - availability of the calls it receives, at seeded random
-    moments: "up 99.9 %" means down for exactly 1 call in every 1,000, at a random position in
-    each thousand, rather than "about 1 in 1,000, give or take" (so a few thousand calls show
-    the effect without sampling noise hiding it). A down
-    service answers an error at once, as a dead instance behind a load balancer would, and a
-    failure anywhere fails the whole call. `work` seconds stand in for each service's own work
+    Each service fails each call it receives with probability 1 - availability, drawn from a
+    seeded random stream of its own (see _Downtime): the failures are random, so a run of a few
+    thousand calls shows the sampling noise too, and `spread` runs several seeds to show it. A
+    down service answers an error at once, as a dead instance behind a load balancer would, and
+    a failure anywhere fails the whole call. `work` seconds stand in for each service's own work
     (a database query, say).
     """
 
@@ -192,7 +202,7 @@ class Chain:
         self.work = 0.0
         self.timeout = 5.0  # generous: a slow machine must not pass for a down service
         self._seed = 0
-        self._schedules: dict[str, _DownSchedule] = {}
+        self._downtime: dict[str, _Downtime] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Any] = []
         self.configure(seed=0)
@@ -223,9 +233,9 @@ class Chain:
     def configure(
         self, *, availability: float | None = None, work: float | None = None, seed: int | None = None
     ) -> None:
-        """Change availability per service, work per call, or the seed; the downtime schedule starts afresh.
+        """Change availability per service, work per call, or the seed; the random draws start afresh.
 
-        The same seed and availability give the same failed calls, run after run.
+        The same seed and availability give the same draws, run after run.
         """
         if availability is not None:
             self.availability = availability
@@ -233,7 +243,7 @@ class Chain:
             self.work = work
         if seed is not None:
             self._seed = seed
-        self._schedules = {name: _DownSchedule(self.availability, f"{self._seed}:{name}") for name in CHAIN}
+        self._downtime = {name: _Downtime(self.availability, f"{self._seed}:{name}") for name in CHAIN}
 
     def _receiver(self, index: int) -> Callable[[Any], Any]:
         async def on_request(msg: Any) -> None:
@@ -249,7 +259,7 @@ class Chain:
         import nats.errors
 
         name = CHAIN[index]
-        if self._schedules[name].down():
+        if self._downtime[name].down():
             await msg.respond(json.dumps({"ok": False, "down": name}).encode())
             return
         if self.work:
@@ -307,7 +317,20 @@ class Chain:
         results = await asyncio.gather(*(one() for _ in range(calls)))
         seconds = time.perf_counter() - started
         down_at = Counter(down for down, _ in results if down)
-        return ChainRun(hops, calls, calls - sum(down_at.values()), down_at, [s for _, s in results], seconds)
+        return ChainRun(
+            hops, calls, calls - sum(down_at.values()), down_at, [s for _, s in results], seconds, self._seed
+        )
+
+    async def spread(
+        self, nc: Any, *, availability: float, seeds: Sequence[int], calls: int, hops: Sequence[int] = (1, 3)
+    ) -> list[ChainRun]:
+        """For each seed, `calls` calls through each number of hops, every service up `availability`."""
+        runs = []
+        for seed in seeds:
+            for h in hops:
+                self.configure(availability=availability, seed=seed)
+                runs.append(await self.run(nc, calls, hops=h))
+        return runs
 
     async def close(self) -> None:
         """Stop the three services and close their connections; the next call sees nobody listening."""
@@ -544,3 +567,175 @@ async def wait_until_waiting(js: Any, stream: str, durable: str, count: int, tim
         if info.num_pending + info.num_ack_pending == count or time.monotonic() > deadline:
             return info
         await asyncio.sleep(0.005)  # poll interval, bounded by the deadline above
+
+
+def pooled_downtime(runs: Sequence[ChainRun], hops: int) -> float:
+    """The share of failed calls over every run through `hops` services (every seed together)."""
+    mine = [run for run in runs if run.hops == hops]
+    return sum(run.failed for run in mine) / sum(run.calls for run in mine)
+
+
+def nearest(value: float, options: dict[str, float]) -> str:
+    """The option whose number is nearest to `value`, by ratio ('three times' is nearer 3.4 than 'twice')."""
+    if value <= 0:
+        return min(options, key=lambda name: abs(options[name] - value))
+    return min(options, key=lambda name: abs(math.log(value / options[name])))
+
+
+async def wait_until_stored(js: Any, stream: str, count: int, timeout: float = 2.0) -> int:
+    """Return how many messages the stream holds once it is `count` (or what it holds at `timeout`).
+
+    A stream with work-queue or interest retention removes an acked message a moment after the
+    ack's reply, so right after the ack its count can still include it: ask again until it adds up.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        held = int((await js.stream_info(stream)).state.messages)
+        if held == count or time.monotonic() > deadline:
+            return held
+        await asyncio.sleep(0.005)  # poll interval, bounded by the deadline above
+
+
+# --- durability: a server restarted on its store, a worker killed for real ---------------------------
+
+
+class DiskServer:
+    """A nats-server of the lesson's own whose store folder outlives the process.
+
+    `restart()` stops the server (SIGTERM, as a deploy or a reboot would) and starts a new
+    process on the same store folder and port; `js` is a JetStream context on it, reconnected
+    after every restart. `close()` stops it and removes the store.
+    """
+
+    def __init__(self) -> None:
+        self.store = tempfile.mkdtemp(prefix="msglab-lesson01-store-")
+        atexit.register(shutil.rmtree, self.store, True)  # gone with the kernel, even if close() never runs
+        self.server: EmbeddedServer | None = None
+        self.port: int | None = None
+        self.restarts = 0
+        self.nc: Any = None
+        self.js: Any = None
+
+    @classmethod
+    async def start(cls) -> DiskServer:
+        """Start a server on a fresh store folder (a free port, kept across restarts)."""
+        disk = cls()
+        await disk._boot()
+        return disk
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid if self.server else None
+
+    async def _boot(self) -> None:
+        # -sd and -p come after EmbeddedServer's own flags, and the last one wins.
+        args = ["-sd", self.store] + (["-p", str(self.port)] if self.port else [])
+        self.server = await asyncio.to_thread(EmbeddedServer(extra_args=args).start)
+        self.port = self.server.port
+        self.nc = await connect(self.server.url, name="msglab-lesson01-disk", max_reconnect_attempts=0)
+        self.js = self.nc.jetstream()
+
+    async def restart(self) -> None:
+        """Stop the server process and start a new one on the same store folder and port."""
+        await self._stop()
+        self.restarts += 1
+        await self._boot()
+
+    async def _stop(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.close()
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)  # removes only the server's own unused folder
+
+    async def close(self) -> None:
+        """Stop the server and remove its store."""
+        await self._stop()
+        shutil.rmtree(self.store, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"<DiskServer pid {self.pid} at {self.server.url if self.server else '?'}, store {self.store}>"
+
+
+class EmailProcess:
+    """An email worker in a process of its own: fetch one order, email it, ack it; until killed.
+
+    Each email is a line the process prints, read here into `emailed` as (order id, delivery
+    number). With `hang_after=n` the process stands still right after its n-th email, before
+    that email's ack, so that a kill lands between the two.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.emailed: list[tuple[str, int]] = []
+        self._changed = asyncio.Condition()
+        self._reader = asyncio.ensure_future(self._read())
+
+    @classmethod
+    async def start(cls, url: str, stream: str, durable: str, *, hang_after: int = 0) -> EmailProcess:
+        """Start the worker process on the server at `url`."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", __name__, "worker", url, stream, durable, str(hang_after),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+            preexec_fn=(lambda: die_with_parent(signal.SIGKILL)) if sys.platform.startswith("linux") else None,
+        )  # fmt: skip
+        return cls(proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            event = json.loads(line)
+            async with self._changed:
+                self.emailed.append((event["emailed"], event["delivery"]))
+                self._changed.notify_all()
+
+    async def wait_emailed(self, count: int, timeout: float = 10.0) -> None:
+        """Return once the process has sent `count` emails; TimeoutError after `timeout`."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: len(self.emailed) >= count), timeout)
+
+    async def kill(self) -> None:
+        """SIGKILL the process: no ack, no goodbye, no cleanup."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+        await self._reader
+
+    def __repr__(self) -> str:
+        state = "running" if self.proc.returncode is None else f"ended ({self.proc.returncode})"
+        return f"<EmailProcess pid {self.pid} {state}: {len(self.emailed)} emails>"
+
+
+async def _email_process(url: str, stream: str, durable: str, hang_after: int) -> None:
+    """The body of an EmailProcess."""
+    import nats
+
+    nc = await nats.connect(url, name="msglab-email-process")
+    sub = await nc.jetstream().pull_subscribe_bind(durable, stream)
+    sent = 0
+    while True:
+        try:
+            msgs = await sub.fetch(1, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            order = json.loads(msg.data)["id"]
+            print(json.dumps({"emailed": order, "delivery": msg.metadata.num_delivered}), flush=True)
+            sent += 1
+            if sent == hang_after:
+                await asyncio.Event().wait()  # stands still here, before the ack, until it is killed
+            await msg.ack_sync()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        _url, _stream, _durable, _hang = sys.argv[2:6]
+        asyncio.run(_email_process(_url, _stream, _durable, int(_hang)))

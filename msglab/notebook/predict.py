@@ -4,7 +4,9 @@
     ...                    # the experiment's cell, which never states the answer
     guess.reveal(result.lost, unit="orders")   # "You said 5; measured 3 orders."
 
-A choice instead of a number: `msglab.predict("Which arrives first?", choices=["A", "B"])`.
+A choice instead of a number: `msglab.predict("Which arrives first?", choices=["A", "B"])`, then
+`guess.reveal(measured, choice="A")` names the choice the measurement bears out (without
+`choice`, the measurement itself is matched against the choices as text).
 The question's source never holds the answer, and a headless run (nbval, CI) records no guess and
 says so, so the notebook runs top to bottom without anyone typing.
 """
@@ -14,6 +16,31 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _with_unit(value: Any, unit: str) -> str:
+    """'3 orders', '1 order', '2.9 times as often', '1 time as often'."""
+    if not unit:
+        return _shown(value)
+    first, _, rest = unit.partition(" ")
+    if value == 1 and first.endswith("s") and not first.endswith("ss"):
+        first = first[:-1]
+    return f"{_shown(value)} {first}" + (f" {rest}" if rest else "")
+
+
+def parse_number(text: str) -> float | None:
+    """The number a learner typed ('3', '2.5', '1,000', '0.3 %'), or None if it is not one."""
+    cleaned = text.strip().replace(",", "").rstrip("%").strip()
+    try:
+        return float(cleaned)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -29,22 +56,41 @@ class Prediction:
         """Record an answer (the widget's button does this; tests and scripts may too)."""
         if self.choices is not None and answer not in self.choices:
             raise ValueError(f"{answer!r} is not one of {self.choices}")
+        if self.choices is None and not isinstance(answer, int | float):
+            number = parse_number(str(answer))
+            if number is None:
+                raise ValueError(f"{answer!r} is not a number")
+            answer = number
         self.answer = answer
 
-    def verdict(self, measured: Any, unit: str = "") -> str:
+    def is_right(self, measured: Any, choice: str | None = None) -> bool:
+        """Whether the recorded answer is what was measured (or the choice the measurement bears out)."""
+        if self.answer is None:
+            return False
+        if self.choices is not None:
+            return self.answer == (choice if choice is not None else str(measured))
+        try:
+            return float(self.answer) == float(measured)
+        except (TypeError, ValueError):
+            return False
+
+    def verdict(self, measured: Any, unit: str = "", choice: str | None = None) -> str:
         """'You said X; measured Y.' as plain text."""
-        shown = f"{measured:g}" if isinstance(measured, float) else str(measured)
-        shown += f" {unit}" if unit else ""
+        shown = _with_unit(measured, unit)
+        if choice is not None and choice != str(measured):
+            shown += f" ({choice})"
         if self.answer is None:
             return f"You did not record a prediction; measured {shown}."
-        said = f"{self.answer:g}" if isinstance(self.answer, float) else str(self.answer)
-        if self.answer == measured:
+        said = _shown(self.answer)
+        if self.is_right(measured, choice):
             return f"You said {said}; measured {shown}. Right."
         return f"You said {said}; measured {shown}."
 
-    def reveal(self, measured: Any, unit: str = "") -> Reveal:
+    def reveal(self, measured: Any, unit: str = "", *, choice: str | None = None) -> Reveal:
         """Show the learner's answer beside what was measured (the cell's last line displays it)."""
-        return Reveal(self.verdict(measured, unit), self.answer is not None and self.answer == measured)
+        if choice is not None and self.choices is not None and choice not in self.choices:
+            raise ValueError(f"{choice!r} is not one of {self.choices}")
+        return Reveal(self.verdict(measured, unit, choice), self.is_right(measured, choice))
 
     def _repr_html_(self) -> str:  # without ipywidgets (a plain HTML export) the question still shows
         return f"<div><b>Predict:</b> {html.escape(self.question)}</div>"
@@ -74,18 +120,24 @@ def predict(question: str, choices: list[str] | None = None) -> Any:
     except ImportError:
         return prediction
     said = widgets.HTML()
+    field_: Any
     if choices:
         field_ = widgets.RadioButtons(options=list(choices), value=None, layout={"width": "max-content"})
-    else:
-        field_ = widgets.FloatText(value=None, placeholder="your number", layout={"width": "10em"})
+    else:  # text, not a number field: an empty number field reads as 0, and 0 is often the answer
+        field_ = widgets.Text(value="", placeholder="your number", layout={"width": "10em"})
     button = widgets.Button(description="Record my prediction")
 
     def on_click(_: Any) -> None:
-        if field_.value is None:
+        value = field_.value
+        if value is None or value == "":
             said.value = "<i>Type or pick an answer first.</i>"
             return
-        prediction.record(field_.value)
-        said.value = f"<i>Recorded: {html.escape(str(field_.value))}. Now run the next cell.</i>"
+        try:
+            prediction.record(value)
+        except ValueError:
+            said.value = "<i>That is not a number: type one, such as 3 or 0.5.</i>"
+            return
+        said.value = f"<i>Recorded: {html.escape(_shown(prediction.answer))}. Now run the next cell.</i>"
 
     button.on_click(on_click)
     prediction.widget = widgets.VBox(
