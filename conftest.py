@@ -1,4 +1,7 @@
-"""Shared fixtures: every broker here is a real nats-server process."""
+"""Shared fixtures and hooks for every test and notebook (at the root, so running one notebook loads it too).
+
+Every broker here is a real nats-server process.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pytest
 
 from msglab.broker.server import EmbeddedServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent
 
 
 def pytest_configure(config: pytest.Config) -> None:

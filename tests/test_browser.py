@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
 from msglab.broker.server import EmbeddedServer
+from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
-from attacks import ATTACKS, PRELUDE, Attack  # noqa: E402
+from attacks import ATTACKS, PRELUDE, Attack
 
-from msglab.catalog import Lab, all_labs  # noqa: E402
-from msglab.grading.grade import CLEANUP_TIMEOUT, GRADE_TIMEOUT, grade  # noqa: E402
-from msglab.grading.harness import RUN_PREFIX  # noqa: E402
-from msglab.grading.sandbox import Sandbox  # noqa: E402
+from msglab.catalog import Lab, all_labs
+from msglab.grading.grade import CLEANUP_TIMEOUT, GRADE_TIMEOUT, grade
+from msglab.grading.harness import RUN_PREFIX
+from msglab.grading.sandbox import Sandbox
 
 OWN_USER = Sandbox.for_this_machine().uid is not None
 LABS = all_labs()

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from msglab.jupyter import LabStartError, choose_port, free_port
 from msglab.broker.server import EmbeddedServer
+from msglab.jupyter import LabStartError, choose_port, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 URL_LINE = re.compile(r"http://127\.0\.0\.1:(\d+)/lab/tree/lessons\?token=(\S+)")

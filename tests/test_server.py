@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from msglab import broker
-from msglab.errors import ServerNotFound, ServerStartError, ServerUnreachable
 from msglab.broker.server import EmbeddedServer, find_server_binary, sweep_stale_stores
+from msglab.errors import ServerNotFound, ServerStartError, ServerUnreachable
 
 
 def wait_pid_gone(pid: int, timeout: float) -> bool:

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
-from attacks import PRELUDE  # noqa: E402
+from attacks import PRELUDE
 
-from msglab.broker.server import EmbeddedServer  # noqa: E402
-from msglab.broker.users import SharedUsers  # noqa: E402
-from msglab.catalog import all_labs  # noqa: E402
-from msglab.grading.grade import grade  # noqa: E402
+from msglab.broker.server import EmbeddedServer
+from msglab.broker.users import SharedUsers
+from msglab.catalog import all_labs
+from msglab.grading.grade import grade
 
-VANDAL = '''
+VANDAL = """
 import asyncio as _asyncio
 
 async def _vandalise(env):
@@ -48,7 +48,7 @@ async def _vandalise(env):
         await _asyncio.sleep(0.01)
     _report("outcome read another run's messages" if seen else "outcome refused subscribe to everything")
 _hostile(_vandalise, once=True)
-'''
+"""
 
 
 @pytest.fixture
@@ -67,12 +67,16 @@ def shared_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 def test_a_vandal_cannot_touch_other_runs_on_a_shared_server(shared_server: str, tmp_path: Path) -> None:
     labs = all_labs()[:1]  # TEMP
-    mark = Path(tempfile.mkdtemp(prefix="msglab-vandal-"))  # outside pytest's private tmp: the learner's user writes here
+    mark = Path(
+        tempfile.mkdtemp(prefix="msglab-vandal-")
+    )  # outside pytest's private tmp: the learner's user writes here
     mark.chmod(0o777)
     first = labs[0]
     vandal = tmp_path / first.file
     vandal.write_text(first.source().read_text() + PRELUDE.format(mark=str(mark)) + VANDAL)
-    jobs = [(first.number, vandal, 1)] + [(lab.number, lab.source(solution=True), seed) for lab in labs for seed in (1, 2)]
+    jobs = [(first.number, vandal, 1)] + [
+        (lab.number, lab.source(solution=True), seed) for lab in labs for seed in (1, 2)
+    ]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         verdicts = list(pool.map(lambda job: grade(job[0], source=job[1], seed=job[2]), jobs))
     assert not verdicts[0].passed, verdicts[0].to_text()

@@ -15,7 +15,7 @@ from msglab.catalog import all_labs
 from msglab.grading.verdict import Verdict
 
 VARIANTS = Path(__file__).resolve().parent / "variants"
-EXPECT = re.compile(r"^\s*Expect:\s*(pass|fail)\b\s*(.*)$", re.M)
+EXPECT = re.compile(r"^[ \t]*Expect:[ \t]*(pass|fail)\b[ \t]*(.*)$", re.M)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 the learner's processes only what a lab needs.
 
 The learner user may publish and subscribe on ordinary subjects, publish to streams, fetch from
-and ack on consumers, read stream and consumer info, and create ephemeral consumers. It may not
-create, update, delete or purge streams, create or change named (durable) consumers, delete
-consumers or messages, or touch the server's system subjects: so it cannot undo the platform's
-set-up, erase evidence, or reconfigure the durable it is graded on (ack_wait, max_deliver).
+and ack on consumers, read stream and consumer info, and create consumers (nats-py gives even an
+ephemeral consumer a name, so the create subject cannot tell them apart). It may not create,
+update, delete or purge streams, delete consumers or messages, use the legacy durable-create
+API, or touch the server's system subjects: so it cannot undo the platform's set-up or erase
+evidence.
 A lab adds denials of its own (subjects only a course service may publish on).
 """
 
@@ -25,9 +26,7 @@ LEARNER_DENY_PUBLISH = [
     "$JS.API.STREAM.RESTORE.>",
     "$JS.API.STREAM.PEER.>",
     "$JS.API.STREAM.LEADER.>",
-    "$JS.API.CONSUMER.CREATE.*.*",  # named consumers; the unnamed (ephemeral) form stays allowed
-    "$JS.API.CONSUMER.CREATE.*.*.>",
-    "$JS.API.CONSUMER.DURABLE.CREATE.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.>",  # the legacy durable API (nats-py names even ephemeral consumers)
     "$JS.API.CONSUMER.DELETE.>",
     "$JS.API.CONSUMER.PAUSE.>",
     "$JS.API.CONSUMER.UNPIN.>",
