@@ -1,51 +1,58 @@
-"""Lab 01: take the email service off the order path.
+"""Lab 01: an order service that keeps selling while email and loyalty stumble.
 
-Today the order service calls the email service and waits for its answer (request-reply), so
-while email is down nobody can order. Make ordering independent of email: announce each order
-as an event on JetStream and let the email worker consume those events from a durable consumer
-at its own pace. Keep request-reply where an answer is needed now: the stock check.
+Today `place_order` asks three services and waits for each answer: inventory (is there stock?),
+email (send the confirmation) and loyalty (award the points). While any of them is down or slow,
+nobody can order. Decide which of these calls the order really needs an answer to, and change the
+order service and the email service so that the business rules in README.md hold.
 
 What the grader (or the lab notebook) hands you in `env`:
-  env.nc, env.js            a NATS connection and its JetStream context
-  env.subject(name)         the subject to use, e.g. env.subject("orders.placed")
-  env.stream("ORDERS")      the stream for order events (it exists already)
-  env.durable("email")      the email worker's durable consumer on it (it exists already)
-  env.save_order(order)     stores the order in the order service's own database
-  env.send_email(order_id)  sends the confirmation email for one order
-  env.request_timeout       how long check_stock may wait for an answer, in seconds
+  env.nc, env.js             a NATS connection and its JetStream context
+  env.subject(name)          the subject to use for `name`, e.g. env.subject("orders.placed")
+  env.stream(name)           the stream to use for `name`, e.g. env.stream("ORDERS")
+  env.durable(name)          the durable consumer to use for `name`, e.g. env.durable("email")
+  env.request_timeout        how long the inventory service may take to answer, in seconds
+  env.save_order(order)      stores the order in the order service's own database
+  env.send_email(order_id)   sends the confirmation email for one order
 
-Check your work:  msglab check 01   (or run the last cell of lab.ipynb)
+What the platform runs already (README.md has the details):
+  inventory      answers on "inventory.reserve": the order as JSON in, {"reserved": true|false} out
+  loyalty        answers on "loyalty.award" (the order as JSON in), and reads every event on
+                 "orders.placed" from its own durable "loyalty"
+  stream ORDERS  stores "orders.>"; the durables "email" and "loyalty" deliver "orders.placed"
+
+Check your work:  msglab check 01   (or the last cell of lab.ipynb)
 """
 
 import json
 
-import nats.errors
+
+class OutOfStock(Exception):
+    """The inventory answered: not enough stock for this order."""
 
 
 class InventoryUnavailable(Exception):
-    """The inventory service gave no answer in time, or nobody is listening."""
+    """Stock could not be confirmed: the inventory did not answer within env.request_timeout, or nobody listens."""
 
 
 async def place_order(env, order: dict) -> None:
-    """Accept an order: store it, then let the rest of the system know. Must work while email is down."""
-    env.save_order(order)
+    """Accept one order by returning, or refuse it by raising; the customer sees the outcome at once."""
     data = json.dumps(order).encode()
-    # TODO: Publish the order as an event to env.subject("orders.placed") with env.js.publish instead of calling the email service.
-    await env.nc.request(env.subject("email.send"), data, timeout=0.5)
+    # TODO: Accept an order only once the inventory has confirmed its stock, and when that confirmation does not come within env.request_timeout (or nobody is there to give it), refuse the order at once with InventoryUnavailable.
+    reply = await env.nc.request(env.subject("inventory.reserve"), data)
+    if not json.loads(reply.data)["reserved"]:
+        raise OutOfStock(f"no stock for order {order['id']}")
+    env.save_order(order)
+    # TODO: Make sure that nothing which merely reacts to an order can make placing it slow or fail, while every accepted order still reaches each of those services exactly once, even if they are down right now.
+    await env.nc.request(env.subject("email.send"), data)
+    await env.nc.request(env.subject("loyalty.award"), data)
+    # TODO: Return (accepted) only once the order's announcement is stored where the reacting services will find it, and raise when it could not be stored; a refused order must never reach them.
 
 
 async def email_worker(env) -> None:
-    """Send one email per placed order, forever (the grader kills and restarts this process)."""
-    # TODO: Bind a pull subscription to the durable env.durable("email") on env.stream("ORDERS") instead of answering requests.
+    """The email service: one confirmation email per accepted order. Runs until it is stopped."""
+    # TODO: Email every accepted order once, even when this process is killed at any moment and started again, and keep running through quiet spells with nothing to email.
     sub = await env.nc.subscribe(env.subject("email.send"))
     async for msg in sub.messages:
         order = json.loads(msg.data)
         env.send_email(order["id"])
-        # TODO: Ack the message only now, after its email went out, and wait until the server has it.
         await msg.respond(b"sent")
-
-
-async def check_stock(env, sku: str) -> int:
-    """Ask the inventory service how many of `sku` are in stock: an answer the caller needs now."""
-    # TODO: Request {"sku": sku} as JSON on env.subject("inventory.check") with timeout=env.request_timeout and raise InventoryUnavailable when no answer comes.
-    raise NotImplementedError("check_stock is not written yet")

@@ -1,20 +1,25 @@
-"""Lab 01: take the email service off the order path.
+"""Lab 01: an order service that keeps selling while email and loyalty stumble.
 
-Today the order service calls the email service and waits for its answer (request-reply), so
-while email is down nobody can order. Make ordering independent of email: announce each order
-as an event on JetStream and let the email worker consume those events from a durable consumer
-at its own pace. Keep request-reply where an answer is needed now: the stock check.
+Placing an order needs one answer now: is there stock for it? Everything else that happens to an
+order (the confirmation email, the loyalty points) merely reacts to it. So the order service asks
+the inventory and waits, and announces every other consequence as one event on a stream.
 
 What the grader (or the lab notebook) hands you in `env`:
-  env.nc, env.js            a NATS connection and its JetStream context
-  env.subject(name)         the subject to use, e.g. env.subject("orders.placed")
-  env.stream("ORDERS")      the stream for order events (it exists already)
-  env.durable("email")      the email worker's durable consumer on it (it exists already)
-  env.save_order(order)     stores the order in the order service's own database
-  env.send_email(order_id)  sends the confirmation email for one order
-  env.request_timeout       how long check_stock may wait for an answer, in seconds
+  env.nc, env.js             a NATS connection and its JetStream context
+  env.subject(name)          the subject to use for `name`, e.g. env.subject("orders.placed")
+  env.stream(name)           the stream to use for `name`, e.g. env.stream("ORDERS")
+  env.durable(name)          the durable consumer to use for `name`, e.g. env.durable("email")
+  env.request_timeout        how long the inventory service may take to answer, in seconds
+  env.save_order(order)      stores the order in the order service's own database
+  env.send_email(order_id)   sends the confirmation email for one order
 
-Check your work:  msglab check 01   (or run the last cell of lab.ipynb)
+What the platform runs already (README.md has the details):
+  inventory      answers on "inventory.reserve": the order as JSON in, {"reserved": true|false} out
+  loyalty        answers on "loyalty.award" (the order as JSON in), and reads every event on
+                 "orders.placed" from its own durable "loyalty"
+  stream ORDERS  stores "orders.>"; the durables "email" and "loyalty" deliver "orders.placed"
+
+Check your work:  msglab check 01   (or the last cell of lab.ipynb)
 """
 
 import json
@@ -22,40 +27,55 @@ import json
 import nats.errors
 
 
+class OutOfStock(Exception):
+    """The inventory answered: not enough stock for this order."""
+
+
 class InventoryUnavailable(Exception):
-    """The inventory service gave no answer in time, or nobody is listening."""
+    """Stock could not be confirmed: the inventory did not answer within env.request_timeout, or nobody listens."""
 
 
 async def place_order(env, order: dict) -> None:
-    """Accept an order: store it, then let the rest of the system know. Must work while email is down."""
-    env.save_order(order)
+    """Accept one order by returning, or refuse it by raising; the customer sees the outcome at once."""
     data = json.dumps(order).encode()
-    # TODO: Publish the order as an event to env.subject("orders.placed") with env.js.publish instead of calling the email service.
+    # A question: whether the order is possible decides what we tell the customer, so we ask and
+    # wait, but only as long as the inventory is allowed to take. Both ways of getting no answer
+    # mean the same to the customer: stock could not be confirmed, so the order is refused now.
+    try:
+        reply = await env.nc.request(env.subject("inventory.reserve"), data, timeout=env.request_timeout)
+    except nats.errors.NoRespondersError as exc:  # nobody listens: the server says so at once
+        raise InventoryUnavailable(f"nobody answers for inventory: {order['id']} not accepted") from exc
+    except nats.errors.TimeoutError as exc:  # the request arrived and no answer came in time
+        raise InventoryUnavailable(f"no answer within {env.request_timeout} s: {order['id']} not accepted") from exc
+    if not json.loads(reply.data)["reserved"]:
+        raise OutOfStock(f"no stock for order {order['id']}")
+    env.save_order(order)
+    # A fact: email and loyalty merely react to it, each from its own durable on this one subject,
+    # so neither is called here, and neither being down can fail or slow this order. Announced
+    # last, once nothing can refuse the order any more. js.publish returns once the stream has
+    # stored the event (its PubAck) and raises when the stream refuses it: "accepted" is a promise
+    # the stream has made. (If it raises, the order was saved but never announced; lesson 07's
+    # transactional outbox closes that gap.)
     await env.js.publish(env.subject("orders.placed"), data)
 
 
 async def email_worker(env) -> None:
-    """Send one email per placed order, forever (the grader kills and restarts this process)."""
-    # TODO: Bind a pull subscription to the durable env.durable("email") on env.stream("ORDERS") instead of answering requests.
+    """The email service: one confirmation email per accepted order. Runs until it is stopped."""
+    # The durable remembers what was acked, so a restarted worker goes on where the killed one
+    # stopped; a consumer of our own would start again from the stream's first event.
     sub = await env.js.pull_subscribe_bind(env.durable("email"), env.stream("ORDERS"))
     while True:
         try:
-            msgs = await sub.fetch(batch=10, timeout=1)
-        except TimeoutError:  # nothing to do yet: ask again
+            # New events arrive during the wait at once; the timeout only bounds how long one
+            # pull request lingers on the server.
+            msgs = await sub.fetch(batch=10, timeout=0.5)
+        except TimeoutError:
+            # A quiet spell: nothing yet, so ask again. (An empty fetch raises the built-in
+            # TimeoutError, or its subclass nats.errors.TimeoutError, depending on the batch size.)
             continue
         for msg in msgs:
             order = json.loads(msg.data)
             env.send_email(order["id"])
-            # TODO: Ack the message only now, after its email went out, and wait until the server has it.
+            # The ack goes after the email and is confirmed by the server: killed before this
+            # line, the event comes back (an email may go out twice); never lost.
             await msg.ack_sync()
-
-
-async def check_stock(env, sku: str) -> int:
-    """Ask the inventory service how many of `sku` are in stock: an answer the caller needs now."""
-    # TODO: Request {"sku": sku} as JSON on env.subject("inventory.check") with timeout=env.request_timeout and raise InventoryUnavailable when no answer comes.
-    request = json.dumps({"sku": sku}).encode()
-    try:
-        reply = await env.nc.request(env.subject("inventory.check"), request, timeout=env.request_timeout)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-        raise InventoryUnavailable(f"no answer about {sku}: {type(exc).__name__}") from exc
-    return json.loads(reply.data)["available"]

@@ -1,44 +1,45 @@
-"""Wrong variant: the worker makes a consumer of its own instead of binding the durable; a restart re-reads the stream."""
+"""Wrong variant: the worker makes a consumer of its own instead of reading the durable.
 
+The durable 'email' is never read. Where the server lets a learner create consumers, each restarted
+worker reads the stream from the start again (emails twice); on the grader's own server it may not,
+and no email goes out at all.
+Expect: fail all_acked, worker_survives_idle
+"""
+
+import asyncio
 import json
 
 import nats.errors
 
 
+class OutOfStock(Exception):
+    """The inventory answered: not enough stock for this order."""
+
+
 class InventoryUnavailable(Exception):
-    """The inventory service gave no answer in time, or nobody is listening."""
+    """Stock could not be confirmed in time, or nobody listens."""
 
 
 async def place_order(env, order: dict) -> None:
-    """Accept an order: store it, then let the rest of the system know. Must work while email is down."""
-    env.save_order(order)
     data = json.dumps(order).encode()
-    # TODO: Publish the order as an event to env.subject("orders.placed") with env.js.publish instead of calling the email service.
+    try:
+        reply = await env.nc.request(env.subject("inventory.reserve"), data, timeout=env.request_timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise InventoryUnavailable(f"no stock answer for {order['id']}") from exc
+    if not json.loads(reply.data)["reserved"]:
+        raise OutOfStock(f"no stock for order {order['id']}")
+    env.save_order(order)
     await env.js.publish(env.subject("orders.placed"), data)
 
 
 async def email_worker(env) -> None:
-    """Send one email per placed order, forever (the grader kills and restarts this process)."""
-    # TODO: Bind a pull subscription to the durable env.durable("email") on env.stream("ORDERS") instead of answering requests.
     sub = await env.js.pull_subscribe(env.subject("orders.placed"), stream=env.stream("ORDERS"))
     while True:
         try:
-            msgs = await sub.fetch(batch=10, timeout=1)
-        except TimeoutError:  # nothing to do yet: ask again
+            msgs = await sub.fetch(batch=10, timeout=0.5)
+        except TimeoutError:
             continue
         for msg in msgs:
             order = json.loads(msg.data)
             env.send_email(order["id"])
-            # TODO: Ack the message only now, after its email went out, and wait until the server has it.
             await msg.ack_sync()
-
-
-async def check_stock(env, sku: str) -> int:
-    """Ask the inventory service how many of `sku` are in stock: an answer the caller needs now."""
-    # TODO: Request {"sku": sku} as JSON on env.subject("inventory.check") with timeout=env.request_timeout and raise InventoryUnavailable when no answer comes.
-    request = json.dumps({"sku": sku}).encode()
-    try:
-        reply = await env.nc.request(env.subject("inventory.check"), request, timeout=env.request_timeout)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-        raise InventoryUnavailable(f"no answer about {sku}: {type(exc).__name__}") from exc
-    return json.loads(reply.data)["available"]

@@ -1,0 +1,49 @@
+"""Wrong variant: when the stream refuses the event, place_order tries again until it takes it.
+
+The customer waits for as long as the stream refuses (here, until the grader stops the call): a
+refusal must be reported at once.
+Expect: fail accepted_means_stored
+"""
+
+import asyncio
+import json
+
+import nats.errors
+
+
+class OutOfStock(Exception):
+    """The inventory answered: not enough stock for this order."""
+
+
+class InventoryUnavailable(Exception):
+    """Stock could not be confirmed in time, or nobody listens."""
+
+
+async def place_order(env, order: dict) -> None:
+    data = json.dumps(order).encode()
+    try:
+        reply = await env.nc.request(env.subject("inventory.reserve"), data, timeout=env.request_timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise InventoryUnavailable(f"no stock answer for {order['id']}") from exc
+    if not json.loads(reply.data)["reserved"]:
+        raise OutOfStock(f"no stock for order {order['id']}")
+    env.save_order(order)
+    while True:  # "the stream is only busy": try until it takes it
+        try:
+            await env.js.publish(env.subject("orders.placed"), data)
+            return
+        except nats.errors.Error:
+            await asyncio.sleep(0.05)
+
+
+async def email_worker(env) -> None:
+    sub = await env.js.pull_subscribe_bind(env.durable("email"), env.stream("ORDERS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=10, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            order = json.loads(msg.data)
+            env.send_email(order["id"])
+            await msg.ack_sync()

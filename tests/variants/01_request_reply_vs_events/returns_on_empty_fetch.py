@@ -1,0 +1,42 @@
+"""Wrong variant: the worker stops when a fetch comes back empty ("nothing left to do").
+
+Expect: fail worker_survives_idle, no_unplanned_deaths
+"""
+
+import asyncio
+import json
+
+import nats.errors
+
+
+class OutOfStock(Exception):
+    """The inventory answered: not enough stock for this order."""
+
+
+class InventoryUnavailable(Exception):
+    """Stock could not be confirmed in time, or nobody listens."""
+
+
+async def place_order(env, order: dict) -> None:
+    data = json.dumps(order).encode()
+    try:
+        reply = await env.nc.request(env.subject("inventory.reserve"), data, timeout=env.request_timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise InventoryUnavailable(f"no stock answer for {order['id']}") from exc
+    if not json.loads(reply.data)["reserved"]:
+        raise OutOfStock(f"no stock for order {order['id']}")
+    env.save_order(order)
+    await env.js.publish(env.subject("orders.placed"), data)
+
+
+async def email_worker(env) -> None:
+    sub = await env.js.pull_subscribe_bind(env.durable("email"), env.stream("ORDERS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=10, timeout=0.5)
+        except TimeoutError:
+            return  # the queue is empty: done
+        for msg in msgs:
+            order = json.loads(msg.data)
+            env.send_email(order["id"])
+            await msg.ack_sync()

@@ -1,0 +1,45 @@
+"""Wrong variant: a publish the stream refuses is logged and the order accepted anyway.
+
+Expect: fail accepted_means_stored
+"""
+
+import asyncio
+import json
+
+import nats.errors
+
+
+class OutOfStock(Exception):
+    """The inventory answered: not enough stock for this order."""
+
+
+class InventoryUnavailable(Exception):
+    """Stock could not be confirmed in time, or nobody listens."""
+
+
+async def place_order(env, order: dict) -> None:
+    data = json.dumps(order).encode()
+    try:
+        reply = await env.nc.request(env.subject("inventory.reserve"), data, timeout=env.request_timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise InventoryUnavailable(f"no stock answer for {order['id']}") from exc
+    if not json.loads(reply.data)["reserved"]:
+        raise OutOfStock(f"no stock for order {order['id']}")
+    env.save_order(order)
+    try:
+        await env.js.publish(env.subject("orders.placed"), data)
+    except Exception as exc:  # "the email is not that important"
+        print(f"could not announce {order['id']}: {exc}")
+
+
+async def email_worker(env) -> None:
+    sub = await env.js.pull_subscribe_bind(env.durable("email"), env.stream("ORDERS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=10, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            order = json.loads(msg.data)
+            env.send_email(order["id"])
+            await msg.ack_sync()
