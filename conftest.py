@@ -54,16 +54,30 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep what must share a worker on one xdist worker (`--dist loadgroup`).
 
     A notebook's cells run in order in one kernel, so each notebook is one group; the CPU-load
     module is one group, so only one set of spinners runs; the browser and JupyterLab tests
     each share a worker with their module.
     """
+    if not config.getvalue("loadgroup"):
+        return
     for item in items:
         path = Path(str(item.fspath))
         if path.suffix == ".ipynb":
-            item.add_marker(pytest.mark.xdist_group(f"nb-{path.stem}"))
+            _group(item, f"nb-{path.parent.name}-{path.stem}")
         elif path.name in ("test_variants_under_load.py", "test_browser.py", "test_make_lab.py"):
-            item.add_marker(pytest.mark.xdist_group(path.stem))
+            _group(item, path.stem)
+
+
+def _group(item: pytest.Item, name: str) -> None:
+    """Put item in xdist group `name` by the id suffix xdist's scheduler reads.
+
+    pytest-xdist 3.8 marks groups by rewriting `item._nodeid`, which pytest 9.2 no longer reads
+    (a node's id is `item._id` now), so its xdist_group marker groups nothing here.
+    """
+    from _pytest.nodeid import coerce_node_id
+
+    if "@" not in item.nodeid:
+        item._id = coerce_node_id(f"{item.nodeid}@{name}")
