@@ -1,6 +1,7 @@
 """The course's payment gateway, as its own process on a real server: keys dedup charges inside the
-window, a missing key charges every time, concurrent requests with one key charge once, and the
-test clock lets a key expire."""
+window, a missing key charges every time, a key reused with other parameters is refused, a request
+whose key is still in flight gets a conflict instead of a charge, search finds charges by reference
+once they have propagated, and the test clock lets keys expire."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 import nats
 import pytest
 
-from msglab.world import gateway as gw
 from msglab.broker.server import EmbeddedServer
+from msglab.world import gateway as gw
 
 
 @pytest.fixture
@@ -71,6 +72,80 @@ def test_concurrent_requests_with_one_key_charge_once(server: EmbeddedServer, ga
     assert len(gateway.charges("p-3")) == 1
 
 
+@pytest.mark.parametrize(
+    ("account", "cents", "reference"),
+    [("acct-1", 999, "p-7"), ("acct-2", 1250, "p-7"), ("acct-1", 1250, "p-8")],
+    ids=["other amount", "other account", "other reference"],
+)
+def test_a_key_reused_with_other_parameters_is_refused(
+    server: EmbeddedServer, gateway: gw.Gateway, account: str, cents: int, reference: str
+) -> None:
+    async def body(nc):
+        first = await gw.charge(nc, gateway.subject, "acct-1", 1250, reference="p-7", idempotency_key="k-7")
+        with pytest.raises(gw.IdempotencyKeyReused) as refused:
+            await gw.charge(nc, gateway.subject, account, cents, reference=reference, idempotency_key="k-7")
+        again = await gw.charge(nc, gateway.subject, "acct-1", 1250, reference="p-7", idempotency_key="k-7")
+        return first, refused.value, again
+
+    first, refused, again = _run(_with_nc(server.url, body))
+    assert (refused.status, refused.code) == (400, "idempotency_key_reused")
+    assert "k-7" in str(refused) and "other parameters" in str(refused)
+    assert again["replayed"] and again["charge_id"] == first["charge_id"]  # the key still answers its own request
+    assert [c.charge_id for c in gateway.charges()] == [first["charge_id"]]  # and nothing else was charged
+    assert [r.outcome for r in gateway.requests()] == ["charged", "reused", "replayed"]
+
+
+def test_a_request_whose_key_is_in_flight_gets_a_conflict_not_a_charge(server: EmbeddedServer, tmp_path: Path) -> None:
+    slow = gw.start(server.url, db_path=str(tmp_path / "slow.sqlite"), prefix="t.slow", latency=1.5)
+
+    def in_flight() -> bool:
+        return bool(slow._read("select 1 from idempotency_keys where key = 'k-9' and charge_id is null"))
+
+    async def body(nc):
+        first = asyncio.ensure_future(
+            gw.charge(nc, slow.subject, "acct-9", 4200, reference="p-9", idempotency_key="k-9", timeout=10)
+        )
+        while not in_flight():  # the first request has taken the key and is at the card network
+            assert not first.done(), first.result()
+            await asyncio.sleep(0.005)
+        with pytest.raises(gw.IdempotencyKeyInUse) as conflict:
+            await gw.charge(nc, slow.subject, "acct-9", 4200, reference="p-9", idempotency_key="k-9")
+        charged = await first
+        retry = await gw.charge(nc, slow.subject, "acct-9", 4200, reference="p-9", idempotency_key="k-9")
+        return conflict.value, charged, retry
+
+    with slow:
+        conflict, charged, retry = _run(_with_nc(server.url, body))
+    assert (conflict.status, conflict.code) == (409, "idempotency_key_in_use")
+    assert "still being processed" in str(conflict)
+    assert not charged["replayed"]
+    assert retry["replayed"] and retry["charge_id"] == charged["charge_id"]
+    assert [c.charge_id for c in slow.charges("p-9")] == [charged["charge_id"]]
+
+
+def test_search_finds_charges_by_reference_once_they_have_propagated(
+    server: EmbeddedServer, gateway: gw.Gateway
+) -> None:
+    async def body(nc):
+        made = await gw.charge(nc, gateway.subject, "acct-5", 300, reference="p-5", idempotency_key="p-5")
+        other = await gw.charge(nc, gateway.subject, "acct-5", 700, reference="p-6")
+        at_once = await gw.search(nc, gateway.search_subject, "p-5")
+        await gateway.advance(nc, seconds=gw.DEFAULT_SEARCH_LAG + 1)
+        later = await gateway.search(nc, "p-5")
+        await gateway.advance(nc, hours=2)  # past the 1 h key window: the key is gone, the charge is not
+        after_window = await gw.search(nc, gateway.search_subject, "p-5")
+        nothing = await gw.search(nc, gateway.search_subject, "p-404")
+        return made, other, at_once, later, after_window, nothing
+
+    made, other, at_once, later, after_window, nothing = _run(_with_nc(server.url, body))
+    assert at_once == []  # a moment after the charge, search does not show it yet
+    assert [c["charge_id"] for c in later] == [made["charge_id"]]
+    assert later[0]["cents"] == 300 and later[0]["reference"] == "p-5"
+    assert [c["charge_id"] for c in after_window] == [made["charge_id"]]
+    assert nothing == [] and other["charge_id"] not in {c["charge_id"] for c in later}
+    assert [r.outcome for r in gateway.requests("search")] == ["found 0", "found 1", "found 1", "found 0"]
+
+
 def test_key_expires_after_the_window_on_the_test_clock(server: EmbeddedServer, gateway: gw.Gateway) -> None:
     async def body(nc):
         first = await gw.charge(nc, gateway.subject, "acct-4", 700, reference="p-4", idempotency_key="p-4")
@@ -87,17 +162,31 @@ def test_key_expires_after_the_window_on_the_test_clock(server: EmbeddedServer, 
     assert not after["replayed"] and after["charge_id"] != first["charge_id"]  # the key was forgotten
     assert again["replayed"] and again["charge_id"] == after["charge_id"]  # and is remembered anew
     assert len(gateway.charges("p-4")) == 2
+    assert after["created"] - first["created"] == pytest.approx(1.1 * 3600, abs=60)  # on the gateway's clock
 
 
 def test_bad_request_gets_an_error_reply_and_the_gateway_stays_up(server: EmbeddedServer, gateway: gw.Gateway) -> None:
     async def body(nc):
         reply = await nc.request(gateway.subject, b"not json", timeout=2)
+        with pytest.raises(gw.GatewayError, match="bad search request"):
+            await gw.search(nc, gateway.search_subject, None)  # type: ignore[arg-type]
         good = await gw.charge(nc, gateway.subject, "acct-5", 100, idempotency_key="k-5")
         return reply, good
 
     reply, good = _run(_with_nc(server.url, body))
     assert b"bad charge request" in reply.data
     assert good["cents"] == 100 and gateway.alive
+
+
+def test_a_payment_message_can_be_sent_as_it_is(server: EmbeddedServer, gateway: gw.Gateway) -> None:
+    async def body(nc):
+        payment = b'{"payment_id": "p-11", "account": "acct-1", "cents": 800}'
+        reply = await nc.request(gateway.subject, payment, timeout=2, headers={gw.KEY_HEADER: "p-11"})
+        return reply.data
+
+    data = _run(_with_nc(server.url, body))
+    assert b'"reference": "p-11"' in data
+    assert [c.reference for c in gateway.charges()] == ["p-11"]
 
 
 def test_stop_ends_the_process_and_keeps_the_store(server: EmbeddedServer, tmp_path: Path) -> None:
@@ -109,19 +198,22 @@ def test_stop_ends_the_process_and_keeps_the_store(server: EmbeddedServer, tmp_p
 
 
 def test_attached_gateway_serves_the_same_contract_in_process(server: EmbeddedServer, tmp_path: Path) -> None:
-    async def body() -> tuple[Any, Any, Any]:
+    async def body() -> tuple[Any, Any, Any, Any]:
         host = await nats.connect(server.url)
         client = await nats.connect(server.url)
         try:
             served = await gw.attach(host, str(tmp_path / "attached.sqlite"), prefix="t.attached", window=60)
             first = await gw.charge(client, served.subject, "acct-6", 300, reference="p-6", idempotency_key="p-6")
             again = await gw.charge(client, served.subject, "acct-6", 300, reference="p-6", idempotency_key="p-6")
+            await served.advance(client, seconds=gw.DEFAULT_SEARCH_LAG)
+            found = await gw.search(client, served.search_subject, "p-6")
             await served.stop()
-            return served, first, again
+            return served, first, again, found
         finally:
             await client.close()
             await host.close()
 
-    served, first, again = _run(body())
+    served, first, again, found = _run(body())
     assert again["replayed"] and again["charge_id"] == first["charge_id"]
     assert [c.charge_id for c in served.charges("p-6")] == [first["charge_id"]]
+    assert [c["charge_id"] for c in found] == [first["charge_id"]]

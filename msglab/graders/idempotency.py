@@ -1,292 +1,339 @@
-"""Lab 03 grader: a payment worker that charges each payment once, however often it is delivered.
+"""Lab 03 grader: a payment worker that charges and credits each payment once, however it is delivered.
 
-Workload (seeded): the course's payment gateway (msglab.world.gateway, keys kept 24 h, its own store),
-answering on NATS from the grader's process, and two worker processes running the learner's
-`handle_payment` on the durable 'payments'. Ten payments over three accounts are published, and two
-of them again as new messages with the same payment id (a producer retry the stream cannot
-recognise). Four payments each get one injected SIGKILL, one at every point
-of the handler: before the gateway call, after the gateway charged but before the database
-transaction, after the first database commit, and after the handler returned but before the ack.
-One more payment is delivered to both workers at once: the first worker to reach its first database
-write is held there until the broker, its ack_wait over, redelivers the payment to the other worker
-and that one reaches its first write too; then both go on together. A killed worker is replaced at
-once.
+Workload (seeded): the course's payment gateway (msglab.world.gateway: keys kept 24 h, search that
+lags a minute behind, its own store), served from the grader's process and reached over NATS, and
+six worker processes running the learner's `payment_worker` on the durable 'payments'. Every
+worker starts held in standby; the grader releases them one at a time, so each planned crash
+meets the payment the grader gave that worker, whatever the learner's fetch size:
 
-Invariants judged on the gateway's store, the learner's database and the consumer (never printed
-text): every payment charged exactly once; none lost (charged and recorded); every balance the sum
-of its payments, each once; one stable idempotency key per payment at the gateway; nothing left
-unacked.
+1. four one-shot workers, each handed one fresh payment and SIGKILLed at one point of the
+   handler: before the gateway call; after the gateway charged (the answer never arrives); right
+   after its first database commit; and after the gateway charged, for the payment whose
+   redelivery comes after the gateway's key window. ack_wait is 1.1 s, so every redelivery comes
+   more than a second after the delivery it replaces (a key made from the clock or the attempt
+   changes in between);
+2. two long-running workers take over. One payment is published twice at once (the checkout's
+   retry): each worker takes a copy, and the first to reach its first database write for it is
+   held there until the other reaches its own, then both go on together (the same place for
+   every variant, so only the learner's uniqueness guarantee decides the race); four more
+   payments follow;
+3. the queue goes idle until a worker's fetch has expired and it asked again (seen on the broker),
+   then one late payment is published: a worker already running must handle it;
+4. the crashed payments are redelivered. Before the redelivery of the last one reaches the
+   gateway, the gateway's test clock moves 25 h forward (a day passes): its key is forgotten.
+   Then one payment the shop credited earlier is published again (a copy, a day later).
+
+Invariants judged on the gateway's store, the learner's ledger (read from its database file after
+the run), the broker and the grader's own records of effect calls, never on printed text: no
+payment charged twice; every payment charged and credited; none credited twice; one stable
+idempotency key per payment; every message acked; the late payment handled by a running worker.
+Exactly once is the lab's invariant, so no duplicate effect is allowed anywhere, not even after a
+kill before an ack (rule 6 allows none here).
+
+The hooks in the learner's process are effect calls the grader answers: `charge` and
+`find_charges` (the grader forwards them to the gateway), `db_write` before the first write of each
+transaction on env.db (where the race holds a worker) and `db_commit` after each commit that
+changed rows (where a worker is killed), and `standby` when a worker starts (where it waits to be
+released). Which payment a database call concerns is read from what its statements mention, else
+from the worker's latest gateway call; that attribution only shapes traces and the race, never a
+verdict's evidence (charges come from the gateway's store, credits from the ledger file).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from msglab.grading.harness import Child, Run
+from msglab.grading.harness import Child, Refuse, Run
 from msglab.grading.labkit import provision
-from msglab.grading.nemesis import rng
-from msglab.grading.runner import describe
+from msglab.grading.nemesis import Crash, rng
+from msglab.grading.observe import BrokerWatch
 from msglab.grading.verdict import Check
 from msglab.world import gateway as gw
+from msglab.world.gateway import GatewayError, IdempotencyKeyInUse, IdempotencyKeyReused  # noqa: F401 (raised in workers)
 
 STREAM = "PAYMENTS"
 SUBJECT = "payments.received"
 DURABLE = "payments"
-ACK_WAIT = 0.25  # seconds; production uses 30 s, a lab cannot wait that long
+ACK_WAIT = 1.1  # seconds; production uses 30 s. Over 1 s, so a redelivery's key made from the clock differs
+KEY_WINDOW = 24 * 3600.0  # the gateway keeps keys 24 h, a common production figure
+SEARCH_LAG = 60.0  # a charge shows up in the gateway's search a minute after it was made
+CLOCK_JUMP = 25 * 3600.0  # how far the gateway's test clock moves: past the key window
 PAYMENTS = 10
 ACCOUNTS = 3
-REPUBLISHED = 2
-WORKERS = 2  # kept alive at once: a killed worker is replaced at once
-MAX_SPAWNS = 10  # a worker that dies on its own every time is not replaced forever
-BARRIER_WAIT = 3.0  # the longest a worker is held waiting for the second worker to arrive
-KEY_WINDOW = 24 * 3600.0  # the gateway keeps keys for the seeds' 24 h: nothing expires in a run
-CATCH_UP = 6.0  # how long the workers have to settle everything
-STUCK_AFTER = 3  # a message the handler raised on this many times is judged stuck
+PLAIN = 4  # payments with nothing done to them (one of them is published again a day later)
+STEP_WAIT = 3.0  # the longest a one-shot worker gets to reach its planned crash
+RACE_WAIT = 3.0  # the longest the first raced worker is held waiting for the second
+SETTLE_WAIT = 5.0  # the longest the grader waits for a phase's messages to be handled
+IDLE_MIN, IDLE_CAP = 1.0, 8.0  # bounds on how long the grader waits to see a worker fetch again
+STUCK_NAKS = 3  # a message nak'ed this many times is judged stuck: it will not settle by waiting
+# Learners reach the gateway only through env.charge and env.find_charges (effects the grader answers):
+# its subjects, test clock included, are the course's.
+LEARNER_DENY_PUBLISH = ["gateway.>"]
 
-# Where a worker can be killed, in the order a handler meets them.
-POINTS = {
-    "before_charge": "killed before the gateway call",
-    "after_charge": "killed after the gateway charged, before the database transaction",
-    "after_commit": "killed right after its first database commit for this payment",
-    "before_ack": "killed after handle_payment returned, before the ack",
+# The one-shot workers, in the order they run: what each is planned to meet.
+POINTS: dict[str, tuple[Crash, str]] = {
+    "before_charge": (Crash("charge", 1, "before"), "killed before the gateway call"),
+    "after_charge": (Crash("charge", 1, "after"), "killed after the gateway charged it, before the answer arrived"),
+    "after_commit": (Crash("db_commit", 1, "after"), "killed right after its first database commit for it"),
+    "key_expired": (
+        Crash("charge", 1, "after"),
+        "killed after the gateway charged it, before the answer arrived (its redelivery comes a day later)",
+    ),
 }
 
 
 # --- what runs inside the learner's processes ------------------------------------------------
 
-
-@dataclass
-class _Handling:
-    """Which payment the worker is on, and what it has done to the database for it so far."""
-
-    payment_id: str | None = None
-    wrote: bool = False
-    committed: bool = False
-    plan: dict[str, Any] = field(default_factory=dict)
+_WRITES = ("insert", "update", "delete", "replace", "begin")  # a statement that starts writing
 
 
-def _crash(env: Any, point: str, payment_id: str | None) -> None:
-    """SIGKILL this worker if the plan puts `point` on this payment and no worker has died there yet.
+def _verb(sql: str) -> str:
+    return sql.lstrip().split(None, 1)[0].lower() if sql.strip() else ""
 
-    Fire-once across processes (the store says whether it fired), so a redelivery to the next worker
-    goes through: every planned crash happens exactly once, whichever worker meets it.
+
+def _texts(sql: str, parameters: Any, many: bool = False) -> list[str]:
+    """What a statement mentions (its text, its string parameters), so the grader can tell which payment."""
+    rows: Iterable[Any] = list(parameters)[:4] if many else [parameters]
+    found = [sql[:300]]
+    for row in rows:
+        values = row.values() if isinstance(row, dict) else row if isinstance(row, list | tuple) else ()
+        found += [v[:80] for v in values if isinstance(v, str)][:8]
+    return found
+
+
+class _ShopCursor(sqlite3.Cursor):
+    """Every statement goes through the connection's hooks, whichever way the learner runs it.
+
+    A statement that fails is raised again without the frames below this one, so the traceback a
+    verdict quotes ends at the learner's own line (and this one), not in the grader's hooks.
     """
-    if payment_id is None or [point, payment_id] not in env._plan["crashes"]:
-        return
-    fired = env.log.db.execute(
-        "select count(*) from events where kind = 'crash' and name = ? and key = ?", (point, payment_id)
-    ).fetchone()[0]
-    if not fired:
-        env.log.record("crash", point, payment_id)
-        os.kill(os.getpid(), signal.SIGKILL)
+
+    def execute(self, sql: str, parameters: Any = (), /) -> _ShopCursor:
+        db: _ShopDb = self.connection  # type: ignore[assignment]
+        was = db._before(sql, _texts(sql, parameters))
+        try:
+            sqlite3.Cursor.execute(self, sql, parameters)
+        except sqlite3.Error as error:
+            raise error.with_traceback(None) from None
+        db._after(sql, was)
+        return self
+
+    def executemany(self, sql: str, seq_of_parameters: Any, /) -> _ShopCursor:
+        db: _ShopDb = self.connection  # type: ignore[assignment]
+        rows = list(seq_of_parameters)
+        was = db._before(sql, _texts(sql, rows, many=True))
+        try:
+            sqlite3.Cursor.executemany(self, sql, rows)
+        except sqlite3.Error as error:
+            raise error.with_traceback(None) from None
+        db._after(sql, was)
+        return self
+
+    def executescript(self, script: str, /) -> _ShopCursor:
+        db: _ShopDb = self.connection  # type: ignore[assignment]
+        was = db._before(script, [script[:300]])
+        try:
+            sqlite3.Cursor.executescript(self, script)
+        except sqlite3.Error as error:
+            raise error.with_traceback(None) from None
+        db._after(script, was)
+        return self
 
 
-def _barrier(env: Any, payment_id: str) -> None:
-    """Hold this worker until a second worker reaches the same place for the same payment.
+class _ShopDb(sqlite3.Connection):
+    """The learner's sqlite3 connection. Two effect calls the grader answers: `db_write` before the
+    first write of each transaction (where the race holds a worker) and `db_commit` after each
+    commit that changed rows (where a worker can be killed)."""
 
-    Blocking on purpose: the first worker stops between its check and its write, and its ack_wait
-    runs out, so the broker redelivers the payment to the other worker (a slow worker, a second
-    delivery: the real-world race, made certain for every seed).
-    """
-    env.log.record("note", "race_arrived", payment_id)
-    deadline = time.monotonic() + BARRIER_WAIT
-    query = "select count(distinct pid) from events where kind = 'note' and name = 'race_arrived' and key = ?"
-    while env.log.db.execute(query, (payment_id,)).fetchone()[0] < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    env.log.record("note", "race_released", payment_id)
+    world: Any = None
+    _mark = 0  # total_changes at the last commit or rollback
+    _mentions: list[str]
 
+    def cursor(self, factory: Any = None) -> Any:
+        return super().cursor(factory or _ShopCursor)
 
-_WRITES = ("insert", "update", "delete", "replace", "begin", "with")
+    def execute(self, sql: str, parameters: Any = (), /) -> Any:
+        try:
+            return self.cursor().execute(sql, parameters)
+        except sqlite3.Error as error:
+            raise error.with_traceback(None) from None
 
+    def executemany(self, sql: str, parameters: Any, /) -> Any:
+        try:
+            return self.cursor().executemany(sql, parameters)
+        except sqlite3.Error as error:
+            raise error.with_traceback(None) from None
 
-class _GradedDb(sqlite3.Connection):
-    """The learner's sqlite3 connection, with the grader's hooks at writes and commits."""
-
-    env: Any = None
-    handling: _Handling = _Handling()
-    changes_mark = 0  # total_changes at the last commit: how many rows each commit wrote
-
-    def _before(self, sql: str) -> None:
-        h = self.handling
-        if h.payment_id is None or h.wrote or not sql.lstrip().lower().startswith(_WRITES):
-            return
-        h.wrote = True
-        if h.payment_id == h.plan.get("race"):
-            _barrier(self.env, h.payment_id)
-
-    def _committed(self) -> None:
-        h = self.handling
-        if h.payment_id is None:
-            return
-        changed, self.changes_mark = self.total_changes - self.changes_mark, self.total_changes
-        self.env.log.record("effect", "db_commit", h.payment_id, rows=changed)
-        if not h.committed:
-            h.committed = True
-            _crash(self.env, "after_commit", h.payment_id)
-
-    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
-        self._before(sql)
-        was_open = self.in_transaction
-        cursor = super().execute(sql, parameters)
-        if was_open and not self.in_transaction and sql.lstrip().lower().startswith(("commit", "end")):
-            self._committed()
-        return cursor
-
-    def executemany(self, sql: str, parameters: Any, /) -> sqlite3.Cursor:
-        self._before(sql)
-        return super().executemany(sql, parameters)
+    def executescript(self, script: str, /) -> Any:
+        try:
+            return self.cursor().executescript(script)
+        except sqlite3.Error as error:
+            raise error.with_traceback(None) from None
 
     def commit(self) -> None:
-        was_open = self.in_transaction
         super().commit()
-        if was_open:
-            self._committed()
+        self._ended()
+
+    def rollback(self) -> None:
+        super().rollback()
+        self._reset()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
-        was_open = self.in_transaction
         result = super().__exit__(exc_type, exc, tb)
-        if exc_type is None and was_open:
-            self._committed()
+        if exc_type is None:
+            self._ended()
+        else:
+            self._reset()
         return result
 
+    def _before(self, sql: str, texts: list[str]) -> bool:
+        """Before a statement: the grader's db_write call if it starts a transaction; returns in_transaction."""
+        if _verb(sql) in _WRITES and not self.in_transaction:
+            self.world.call("db_write", None, statement=sql.strip()[:200], mentions=texts)
+        self._mentions = [*getattr(self, "_mentions", []), *texts][-24:]
+        return self.in_transaction
 
-def open_shop_db(path: str) -> _GradedDb:
+    def _after(self, sql: str, was: bool) -> None:
+        if was and not self.in_transaction and _verb(sql) == "rollback":
+            self._reset()
+        elif not self.in_transaction:
+            self._ended()  # a commit, or a statement that committed on its own (autocommit)
+
+    def _ended(self) -> None:
+        rows = self.total_changes - self._mark
+        mentions = getattr(self, "_mentions", [])
+        self._reset()
+        if rows > 0:
+            self.world.call("db_commit", None, rows=rows, mentions=mentions)
+
+    def _reset(self) -> None:
+        self._mark = self.total_changes
+        self._mentions = []
+
+
+def open_shop_db(path: str, world: Any) -> sqlite3.Connection:
     """The shop's database as a worker sees it: WAL and a busy timeout, so two workers wait, not fail."""
-    db: _GradedDb = sqlite3.connect(path, timeout=10, factory=_GradedDb)
+    db = sqlite3.connect(path, timeout=10, factory=_ShopDb)
+    db.world = world
+    db._reset()
     db.execute("pragma journal_mode=wal")
     db.execute("pragma busy_timeout=10000")
     return db
 
 
-def _add_effects(env: Any, handling: _Handling) -> None:
-    """Give env the lab's gateway call, with its crash points."""
-    subject = env.subject("gateway.charge")
+def _add_effects(env: Any) -> None:
+    """Give env the shop's database and the gateway's two calls, each an effect the grader answers."""
+    env.db = open_shop_db(env.db_path, env.world)
 
     async def charge(payment: dict[str, Any], idempotency_key: Any = None) -> dict[str, Any]:
-        _crash(env, "before_charge", handling.payment_id)
         key = None if idempotency_key is None else str(idempotency_key)
-        reply = await gw.charge(
-            env.nc, subject, payment["account"], payment["cents"], reference=payment["payment_id"], idempotency_key=key
-        )
-        _crash(env, "after_charge", handling.payment_id)
-        return reply
+        detail = {"account": str(payment["account"]), "cents": int(payment["cents"]), "idempotency_key": key}
+        return env.world.call("charge", str(payment["payment_id"]), **detail)
+
+    async def find_charges(payment_id: Any) -> list[dict[str, Any]]:
+        return env.world.call("find_charges", str(payment_id))
 
     env.charge = charge
+    env.find_charges = find_charges
+    env.IdempotencyKeyReused = IdempotencyKeyReused
 
 
 async def role_payment_worker(env: Any, learner: Any) -> None:
-    """One payment worker: fetch one message, run the learner's handler, ack; until killed."""
-    handling = _Handling(plan=env._plan)
-    db = open_shop_db(env.db_path)
-    db.env, db.handling = env, handling
-    env.db = db
-    _add_effects(env, handling)
-    learner.setup_db(db)
-    if db.in_transaction:
-        db.commit()  # setup_db may leave its DDL uncommitted; the other worker must see the tables
-    sub = await env.js.pull_subscribe_bind(env.durable(DURABLE), env.stream(STREAM))
-    source = os.environ.get("MSGLAB_SOURCE", "")
-    while True:
-        try:
-            msgs = await sub.fetch(batch=1, timeout=0.5)
-        except TimeoutError:
-            continue
-        for msg in msgs:
-            try:
-                payment_id = str(json.loads(msg.data)["payment_id"])
-            except (ValueError, KeyError, TypeError):
-                payment_id = None
-            meta = msg.metadata
-            env.log.record("note", "delivered", payment_id, seq=meta.sequence.stream, delivery=meta.num_delivered)
-            handling.payment_id, handling.wrote, handling.committed = payment_id, False, False
-            db.changes_mark = db.total_changes
-            try:
-                await learner.handle_payment(env, msg)
-            except Exception as exc:  # the learner's failure is data; no ack, so the broker redelivers
-                if db.in_transaction:
-                    db.rollback()
-                env.log.record("note", "handler_error", payment_id, seq=meta.sequence.stream, **describe(exc, source))
-                handling.payment_id = None
-                continue
-            _crash(env, "before_ack", payment_id)
-            handling.payment_id = None
-            with contextlib.suppress(Exception):  # already acked by the learner's own code: that is fine here
-                await msg.ack_sync()
-            env.log.record("note", "handled", payment_id)
+    """One payment worker: waits in standby until the grader releases it, then runs the learner's loop."""
+    _add_effects(env)
+    env.world.call("standby")
+    await learner.payment_worker(env)
 
 
 async def playground(env: Any) -> None:
     """For the lab notebook: the same stream and durable, a gateway of its own, a fresh database.
 
-    env.charge prints what the gateway did; env.gateway.charges() reads its store.
+    env.charge and env.find_charges print what the gateway did; env.gateway reads its store and
+    moves its clock (`await env.gateway.advance(env.nc, hours=25)`).
     """
     await _setup(env.js, env.names)
     folder = tempfile.mkdtemp(prefix="msglab-try03-")
     atexit.register(shutil.rmtree, folder, True)  # gone when the notebook's kernel exits
-    gateway_db = os.path.join(folder, "gateway.sqlite")
-    env.gateway = await gw.attach(env.nc, gateway_db, prefix=env.subject("gateway"), window=KEY_WINDOW)
+    gateway = await gw.attach(
+        env.nc, os.path.join(folder, "gateway.sqlite"), prefix=env.subject("gateway"), window=KEY_WINDOW,
+        search_lag=SEARCH_LAG,
+    )  # fmt: skip
+    env.gateway = gateway
     env.db = sqlite3.connect(os.path.join(folder, "shop.sqlite"), timeout=10)
     env.db.execute("pragma journal_mode=wal")
     env.db.execute("pragma busy_timeout=10000")
+    env.IdempotencyKeyReused = IdempotencyKeyReused
 
     async def charge(payment: dict[str, Any], idempotency_key: Any = None) -> dict[str, Any]:
         key = None if idempotency_key is None else str(idempotency_key)
         reply = await gw.charge(
-            env.nc, env.gateway.subject, payment["account"], payment["cents"],
-            reference=payment["payment_id"], idempotency_key=key,
+            env.nc, gateway.subject, str(payment["account"]), int(payment["cents"]),
+            reference=str(payment["payment_id"]), idempotency_key=key,
         )  # fmt: skip
         what = "answered with its earlier charge" if reply["replayed"] else "charged"
         print(f"gateway {what} {reply['charge_id']} for {payment['payment_id']} (key {key!r})")
         return reply
 
+    async def find_charges(payment_id: Any) -> list[dict[str, Any]]:
+        found = await gateway.search(env.nc, str(payment_id))
+        print(f"gateway search for {payment_id}: {[c['charge_id'] for c in found] or 'nothing (yet)'}")
+        return found
+
     env.charge = charge
+    env.find_charges = find_charges
 
 
-# --- the grader ------------------------------------------------------------------------------
+# --- the plan ----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Plan:
-    payments: list[dict[str, Any]]
-    order: list[dict[str, Any]]  # what is published, originals then republished copies
-    crashes: dict[str, str]  # payment id -> point
+    payments: tuple[dict[str, Any], ...]
+    crashed: tuple[tuple[str, str], ...]  # (point, payment id), in the order the one-shot workers run
     race: str
-    republished: list[str]
+    plain: tuple[str, ...]
+    late: str
+    day_later: str  # one of plain, published again after the gateway's clock moved
 
-    def params(self) -> dict[str, Any]:
-        """What a worker process needs to know of the plan (it travels in MSGLAB_PARAMS)."""
-        return {"crashes": [[point, pid] for pid, point in self.crashes.items()], "race": self.race}
+    def payment(self, pid: str) -> dict[str, Any]:
+        return next(p for p in self.payments if p["payment_id"] == pid)
+
+    def point_of(self, pid: str) -> str | None:
+        return next((point for point, p in self.crashed if p == pid), None)
+
+    @property
+    def ids(self) -> list[str]:
+        return [p["payment_id"] for p in self.payments]
 
 
 def draw_plan(seed: int) -> _Plan:
     """The workload and its faults, all from the seed: `--seed N` replays the same plan."""
     r = rng(seed, "payments")
-    payments = [
-        {"payment_id": f"p-{i:02d}", "account": f"acct-{r.randint(1, ACCOUNTS)}", "cents": r.randint(100, 9999)}
-        for i in range(1, PAYMENTS + 1)
-    ]
-    ids: list[str] = [str(p["payment_id"]) for p in payments]
-    picks = rng(seed, "faults").sample(ids, 1 + len(POINTS) + REPUBLISHED)
-    race, crashed, republished = picks[0], picks[1 : 1 + len(POINTS)], picks[1 + len(POINTS) :]
-    crashes = dict(zip(crashed, POINTS, strict=True))
-    rest = [p for p in payments if p["payment_id"] != race]
-    rng(seed, "order").shuffle(rest)
-    # The raced payment goes first, while both workers are idle: one takes it, the other gets the redelivery.
-    first = next(p for p in payments if p["payment_id"] == race)
-    copies = [p for p in payments if p["payment_id"] in republished]
-    return _Plan(payments, [first, *rest, *copies], crashes, race, republished)
+    accounts = [*range(1, ACCOUNTS + 1), *(r.randint(1, ACCOUNTS) for _ in range(PAYMENTS - ACCOUNTS))]
+    r.shuffle(accounts)  # every account has at least one payment
+    payments = tuple(
+        {"payment_id": f"p-{i:02d}", "account": f"acct-{account}", "cents": r.randint(100, 9999)}
+        for i, account in enumerate(accounts, start=1)
+    )
+    ids = [str(p["payment_id"]) for p in payments]
+    picks = rng(seed, "roles").sample(ids, len(ids))
+    crashed = tuple(zip(POINTS, picks[: len(POINTS)], strict=True))
+    race, late, plain = picks[len(POINTS)], picks[len(POINTS) + 1], tuple(picks[len(POINTS) + 2 :])
+    assert len(plain) == PLAIN
+    day_later = rng(seed, "day_later").choice(plain)
+    return _Plan(payments, crashed, race, plain, late, day_later)
 
 
 async def _setup(js: Any, names: Any) -> None:
@@ -297,226 +344,432 @@ async def _setup(js: Any, names: Any) -> None:
     )  # fmt: skip
 
 
-class _Pool:
-    """Keeps WORKERS workers alive: a killed one is replaced at once (up to MAX_SPAWNS)."""
+# --- the grader's side of the run --------------------------------------------------------------
 
-    def __init__(self, run: Run, params: dict[str, Any]) -> None:
+
+@dataclass
+class _Published:
+    seq: int
+    payment_id: str
+    label: str  # "first", "copy" (published twice at once), "day_later", "late"
+    ts: float
+
+
+@dataclass
+class _Race:
+    payment: str = ""
+    pair: tuple[int, ...] = ()  # the two long-running workers' pids
+    open: bool = False
+    arrived: dict[int, float] = field(default_factory=dict)  # pid -> when it reached its first write
+    met: asyncio.Event = field(default_factory=asyncio.Event)
+    released: float = 0.0
+    timed_out: bool = False
+
+
+@dataclass
+class _ChargeCall:
+    """One charge request a worker made, as the grader forwarded it to the gateway."""
+
+    ts: float
+    pid: int
+    payment_id: str
+    key: str | None
+    outcome: str  # charged, replayed, refused
+    charge_id: str = ""
+
+
+class _Lab:
+    """Everything one grading run of lab 03 keeps: the plan, the world's services and what was seen."""
+
+    def __init__(self, run: Run, plan: _Plan, gateway: gw.AttachedGateway, watch: BrokerWatch) -> None:
         self.run = run
-        self.params = params
-        self.workers: list[Child] = []
-        self.spawning = 0
-        self.spawned = 0
-        self.errors: list[BaseException] = []
+        self.plan = plan
+        self.gateway = gateway
+        self.watch = watch
+        self.released: dict[int, asyncio.Event] = {}
+        self.published: list[_Published] = []
+        self.current: dict[int, str] = {}  # worker pid -> payment of its latest gateway call
+        self.handed: dict[int, str] = {}  # one-shot worker pid -> the payment it was given
+        self.race = _Race()
+        self.advanced_at: float | None = None
+        self.advance_lock = asyncio.Lock()
+        self.calls: list[_ChargeCall] = []
+        self.steps: dict[str, list[tuple[float, str]]] = defaultdict(list)  # payment id -> (ts, what happened)
+        self.oneshots: list[Child] = []
+        self.steady: list[Child] = []
+        self.idle_since: float | None = None
+        self.quiet = 0.0  # when the last ack before the late payment came: the queue has been idle since
+        self.refetch: Any = None  # the pull request that proved a worker fetched again after an idle gap
+        self.problems: list[str] = []  # the grader's own trouble (the gateway did not answer): a GraderError
 
-    async def spawn(self) -> None:
-        """Start one worker process; a failure to start is kept as evidence, not raised."""
-        self.spawning += 1
-        self.spawned += 1
+    # -- effects the workers call
+
+    def attach(self) -> None:
+        self.run.on("standby", self.on_standby)
+        self.run.on("charge", self.on_charge)
+        self.run.on("find_charges", self.on_find)
+        self.run.on("db_write", self.on_db_write)
+        self.run.on("db_commit", self.on_db_commit)
+
+    def step(self, pid: str, text: str, ts: float | None = None) -> None:
+        self.steps[pid].append((time.time() if ts is None else ts, text))
+
+    def release(self, child: Child) -> None:
+        self.released.setdefault(child.pid, asyncio.Event()).set()
+
+    async def on_standby(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        await self.released.setdefault(child.pid, asyncio.Event()).wait()
+
+    async def on_charge(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
+        pid = key or ""
+        self.current[child.pid] = pid
+        await self._gate(pid)
+        idem = detail.get("idempotency_key") or None
+        shown = "no key" if idem is None else f"key {idem!r}"
         try:
-            self.workers.append(await self.run.spawn("payment_worker", params=self.params))
-        except BaseException as exc:  # a broken file is raised again by grade(); anything else is evidence
-            self.errors.append(exc)
-        finally:
-            self.spawning -= 1
+            reply = await gw.charge(
+                self.run.nc, self.gateway.subject, str(detail.get("account")), int(detail.get("cents", 0)),
+                reference=pid, idempotency_key=idem,
+            )  # fmt: skip
+        except IdempotencyKeyReused as exc:
+            self.calls.append(_ChargeCall(time.time(), child.pid, pid, idem, "refused"))
+            self.step(pid, f"worker {child.pid} asked the gateway to charge it ({shown}): refused, the key was "
+                           "first used for other parameters")  # fmt: skip
+            raise Refuse("IdempotencyKeyReused", str(exc)) from None
+        except GatewayError as exc:
+            raise Refuse("GatewayError", str(exc)) from None
+        except Exception as exc:  # the course's own gateway failed: never the learner's fault
+            self.problems.append(f"the gateway did not answer a charge request: {exc!r}")
+            raise Refuse("GatewayError", "the course's gateway did not answer (a grader problem)") from None
+        outcome = "replayed" if reply.get("replayed") else "charged"
+        self.calls.append(_ChargeCall(time.time(), child.pid, pid, idem, outcome, str(reply.get("charge_id"))))
+        self.run.record_effect(
+            child, "charge", pid, idempotency_key=idem, charge_id=reply.get("charge_id"), outcome=outcome
+        )
+        what = "answered with its earlier charge" if outcome == "replayed" else "charged"
+        self.step(pid, f"worker {child.pid} asked the gateway to charge it ({shown}): {what} {reply.get('charge_id')}")
+        return reply
 
-    @property
-    def alive(self) -> list[Child]:
-        """The worker processes still running."""
-        return [w for w in self.workers if w.alive]
+    async def on_find(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
+        pid = key or ""
+        self.current[child.pid] = pid
+        await self._gate(pid)
+        try:
+            found = await self.gateway.search(self.run.nc, pid)
+        except Exception as exc:
+            self.problems.append(f"the gateway did not answer a search: {exc!r}")
+            raise Refuse("GatewayError", "the course's gateway did not answer (a grader problem)") from None
+        ids = ", ".join(c["charge_id"] for c in found) or "nothing"
+        self.step(pid, f"worker {child.pid} searched the gateway for charges of it: {ids}")
+        return found
 
-    def top_up(self) -> None:
-        """Start replacements for dead workers in the background (the caller keeps polling)."""
-        missing = WORKERS - len(self.alive) - self.spawning
-        for _ in range(max(0, min(missing, MAX_SPAWNS - self.spawned))):
-            self.run.tasks.append(asyncio.ensure_future(self.spawn()))
+    def attribute(self, child: Child, detail: dict[str, Any]) -> str | None:
+        """The payment a database statement is about: the one it mentions, else the worker's current one."""
+        texts = detail.get("mentions") or []
+        for text in texts if isinstance(texts, list) else []:
+            for pid in self.plan.ids:
+                if isinstance(text, str) and pid in text:
+                    return pid
+        return self.handed.get(child.pid) or self.current.get(child.pid)
+
+    async def on_db_write(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        race = self.race
+        if not race.open or child.pid not in race.pair or child.pid in race.arrived:
+            return
+        if self.attribute(child, detail) not in (race.payment, None):
+            return
+        race.arrived[child.pid] = time.time()
+        self.step(race.payment, f"worker {child.pid} reached its first database write for it: held there until a "
+                                "second worker reaches its own")  # fmt: skip
+        if len(race.arrived) >= 2:
+            race.met.set()
+        else:
+            try:
+                await asyncio.wait_for(race.met.wait(), RACE_WAIT)
+            except TimeoutError:
+                race.timed_out = True
+                self.step(race.payment, f"no second worker reached a write for it within {RACE_WAIT:.0f} s: "
+                                        f"worker {child.pid} let go alone")  # fmt: skip
+        if race.open:
+            race.open = False
+            race.released = time.time()
+            if race.met.is_set():
+                self.step(race.payment, "both workers let go at once: each goes on with its write")
+
+    async def on_db_commit(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        pid = self.attribute(child, detail)
+        rows = int(detail.get("rows", 0) or 0)
+        if pid:
+            self.step(pid, f"worker {child.pid} committed a transaction ({rows} row{'s' if rows != 1 else ''} written)")
+
+    # -- the key window
+
+    async def _gate(self, pid: str) -> None:
+        """The redelivery of the payment whose worker died after the charge reaches the gateway a day later."""
+        expired = dict(self.plan.crashed)["key_expired"]
+        if pid != expired or self.advanced_at is not None:
+            return
+        worker = next((c for c in self.oneshots if self.handed.get(c.pid) == expired), None)
+        if worker is None or not worker.fired:
+            return  # its own first delivery: no crash yet
+        await self.advance_when_settled()
+
+    async def advance_when_settled(self) -> None:
+        """Once the payments killed inside the key window are settled, move the gateway's clock 25 h forward."""
+        async with self.advance_lock:
+            if self.advanced_at is not None:
+                return
+            # The payments crashed inside the window get their redelivery inside it. Nothing else is waited
+            # for: the race or the plain payments may go on across the jump (a correct worker does not care).
+            inside = {pid for point, pid in self.plan.crashed if point != "key_expired"}
+            waiting = [p.seq for p in self.published if p.payment_id in inside]
+            await self.run.wait_for(lambda: self.settled(waiting), SETTLE_WAIT)
+            await self.gateway.advance(self.run.nc, seconds=CLOCK_JUMP)
+            self.advanced_at = time.time()
+
+    # -- publishing and waiting
+
+    async def publish(self, pid: str, label: str) -> _Published:
+        ack = await self.run.js.publish(self.run.names.subject(SUBJECT), json.dumps(self.plan.payment(pid)).encode())
+        sent = _Published(int(ack.seq), pid, label, time.time())
+        self.published.append(sent)
+        said = {
+            "first": "published",
+            "copy": "published again at once, as a second message (the checkout retried)",
+            "day_later": "published again, as a new message, after the gateway's clock moved (a day later)",
+            "late": "published after the queue had been idle",
+        }[label]
+        self.step(pid, f"{said}: stream seq {sent.seq}", sent.ts)
+        return sent
+
+    def workers_alive(self) -> bool:
+        return any(c.alive for c in self.steady)
+
+    def stuck(self, seq: int) -> bool:
+        return sum(a.kind == "nak" for a in self.watch.of(seq)) >= STUCK_NAKS
+
+    def settled(self, seqs: Iterable[int]) -> bool:
+        """Every one of these messages is acked (or termed, or stuck), or no worker is left to change that."""
+        if self.steady and not self.workers_alive():
+            return True
+        return all(
+            self.watch.acked(seq) or any(a.kind == "term" for a in self.watch.of(seq)) or self.stuck(seq)
+            for seq in seqs
+        )
 
 
 async def grade(run: Run) -> list[Check]:
     """Run the workload with its faults and judge the invariants."""
-    t0 = time.time()
     plan = draw_plan(run.seed)
-    db_path = os.path.join(run.tmp, "shop.sqlite")
     await _setup(run.js, run.names)
-    params = {"db_path": db_path, "_plan": plan.params()}
-    # The gateway answers on the grader's own connection (one process fewer to start per verdict);
-    # the workers reach it over NATS request-reply exactly as they would reach its own process.
-    gateway_db = os.path.join(run.tmp, "gateway.sqlite")
-    gateway = await gw.attach(run.nc, gateway_db, prefix=run.names.subject("gateway"), window=KEY_WINDOW)
-    pool = _Pool(run, params)
-    try:
-        await asyncio.gather(*(pool.spawn() for _ in range(WORKERS)))
-        for error in pool.errors:
-            raise error
-        return await _run_and_judge(run, plan, pool, gateway, db_path, t0)
-    finally:
-        await gateway.stop()
+    watch = await BrokerWatch(run.names.stream(STREAM), run.names.durable(DURABLE)).start(run.nc)
+    # The gateway's store sits where learner processes cannot go; it answers on the grader's connection
+    # (one process fewer per verdict), over NATS like any service, on subjects learners may not publish to.
+    private = os.path.join(run.tmp, "gateway")
+    os.mkdir(private, 0o700)
+    gateway = await gw.attach(
+        run.nc, os.path.join(private, "gateway.sqlite"), prefix=run.names.subject("gateway"), window=KEY_WINDOW,
+        search_lag=SEARCH_LAG,
+    )  # fmt: skip
+    lab = _Lab(run, plan, gateway, watch)
+    lab.attach()
+    params = {"db_path": os.path.join(run.home, "shop.sqlite")}  # the learner's service's own state
+    # Made in WAL mode before any worker starts: six processes switching a new file to WAL at once can
+    # meet a lock SQLite does not wait for. The workers' user owns it (and its folder, for the -wal file).
+    sqlite3.connect(params["db_path"]).execute("pragma journal_mode=wal").connection.close()
+    run.sandbox.give(Path(params["db_path"]))
+    await _play(lab, params)
+    if lab.problems:
+        from msglab.errors import GraderError
 
-
-async def _run_and_judge(
-    run: Run, plan: _Plan, pool: _Pool, gateway: gw.GatewayView, db_path: str, t0: float
-) -> list[Check]:
-    for payment in plan.order:
-        await run.js.publish(run.names.subject(SUBJECT), json.dumps(payment).encode())
-
-    stream, durable = run.names.stream(STREAM), run.names.durable(DURABLE)
-
-    async def settled() -> bool:
-        for error in pool.errors:
-            raise error
-        pool.top_up()
-        info = await run.js.consumer_info(stream, durable)
-        if info.num_pending or (info.num_ack_pending and info.num_ack_pending > _failing(run)):
-            return False
-        # Drained on the broker; also every delivery must have reached a worker's log and every
-        # live worker must be idle, or a duplicate still in a handler would be missed.
-        if run.log.count("note", "delivered") < info.delivered.consumer_seq:
-            return False
-        return all(_idle(run, w.pid) for w in pool.alive) or not pool.alive
-
-    await run.wait_for(settled, CATCH_UP)
-    info = await run.js.consumer_info(stream, durable)
-    evidence = _Evidence.collect(run, plan, gateway, db_path, t0)
+        raise GraderError(lab.problems[0])
+    info = await run.js.consumer_info(run.names.stream(STREAM), run.names.durable(DURABLE))
+    evidence = _Evidence.collect(lab, params["db_path"], info)
     return [
         _charged_once_check(evidence),
         _none_lost_check(evidence),
-        _balances_check(evidence),
+        _credited_once_check(evidence),
         _stable_key_check(evidence),
-        _acked_check(info, pool, evidence),
+        _acked_check(evidence),
+        _late_check(evidence),
     ]
 
 
-def _failing(run: Run) -> int:
-    """Messages the handler has raised on STUCK_AFTER times: they will not settle, so stop waiting for them."""
-    rows = run.log.db.execute(
-        "select count(*) from (select json_extract(detail, '$.seq') as seq from events "
-        "where name = 'handler_error' group by seq having count(*) >= ?)",
-        (STUCK_AFTER,),
-    ).fetchone()
-    return int(rows[0])
+async def _play(lab: _Lab, params: dict[str, Any]) -> None:
+    """The workload, phase by phase (see the module's docstring)."""
+    run, plan = lab.run, lab.plan
+
+    # Every worker starts in standby before anything is published, so the phases below run back to back,
+    # well inside ack_wait of the first crash: no redelivery is due yet when the race begins.
+    workers = await asyncio.gather(
+        *(run.spawn("payment_worker", faults=[crash], params=params) for crash, _ in POINTS.values()),
+        *(run.spawn("payment_worker", params=params) for _ in range(2)),
+    )
+    lab.oneshots, lab.steady = list(workers[: len(POINTS)]), list(workers[len(POINTS) :])
+    # 1. One-shot workers, one at a time: each takes the one payment published for it and meets its crash.
+    for (_point, pid), worker in zip(plan.crashed, lab.oneshots, strict=True):
+        lab.handed[worker.pid] = pid
+        lab.release(worker)
+        await lab.publish(pid, "first")
+        if not await worker.wait_exit(STEP_WAIT):
+            await worker.kill()  # its planned crash did not happen: faults_fired says so
+    # 2. The long-running workers: the race on one payment published twice at once, then the plain ones.
+    released = time.time()
+    for worker in lab.steady:
+        lab.release(worker)
+    # Both have started (set up their tables, asked for messages) before the race opens: any write of
+    # theirs from here on is for the raced payment, the one thing they are given.
+    await run.wait_for(lambda: sum(p.ts >= released for p in lab.watch.pulls) >= 2, STEP_WAIT)
+    lab.race = _Race(payment=plan.race, pair=tuple(w.pid for w in lab.steady), open=True)
+    raced = [await lab.publish(plan.race, "first"), await lab.publish(plan.race, "copy")]
+    await run.wait_for(lambda: not lab.race.open or not lab.workers_alive(), RACE_WAIT + STEP_WAIT)
+    lab.race.open = False
+    plain = [await lab.publish(pid, "first") for pid in plan.plain]
+    await run.wait_for(lambda: lab.settled(p.seq for p in raced + plain), SETTLE_WAIT)
+    # 3. Idle until a worker's fetch expired and it asked again, then one late payment. The quiet starts at
+    # the last ack: a pull request sent after it that waited out its expires, followed by another pull
+    # request, proves a worker survived an empty fetch (an ack in between would mean a message came).
+    lab.idle_since = max((a.ts for a in lab.watch.acks if a.kind in ("ack", "term")), default=time.time())
+
+    def refetched() -> bool:
+        # Naks do not end the quiet: a message nak'ed in a loop is the learner's stuck message, not traffic.
+        done = (a.ts for a in lab.watch.acks if a.kind in ("ack", "term"))
+        quiet = lab.quiet = max([lab.idle_since or 0.0, *done])
+        lab.refetch = lab.watch.refetched_after_idle(quiet)
+        if lab.refetch is not None or not lab.workers_alive():
+            return True
+        longest = max((p.expires for p in lab.watch.pulls), default=0.0)
+        return time.time() - quiet > max(IDLE_MIN, 2 * longest + 1.0)  # no worker fetched again: stop waiting
+
+    await run.wait_for(refetched, IDLE_CAP)
+    late = await lab.publish(plan.late, "late")
+    await run.wait_for(lambda: lab.settled([late.seq]), SETTLE_WAIT)
+    # 4. The redeliveries; the gateway's clock moves 25 h before the last crashed payment reaches it again.
+    await lab.advance_when_settled()
+    await lab.publish(plan.day_later, "day_later")
+    await run.wait_for(lambda: lab.settled(p.seq for p in lab.published), SETTLE_WAIT + ACK_WAIT)
 
 
-def _idle(run: Run, pid: int) -> bool:
-    row = run.log.db.execute(
-        "select name from events where pid = ? and name in ('delivered', 'handled', 'handler_error') "
-        "order by id desc limit 1",
-        (pid,),
-    ).fetchone()
-    return row is None or row[0] != "delivered"
+# --- evidence ----------------------------------------------------------------------------------
 
 
 @dataclass
 class _Evidence:
-    """Everything the checks judge, per payment, from the gateway's store, the learner's db and the log."""
+    """Everything the checks judge: the gateway's store, the learner's ledger, the broker, the grader's records."""
 
-    plan: _Plan
+    lab: _Lab
     charges: dict[str, list[gw.Charge]]
-    keys: dict[str, list[str | None]]  # per payment: the key of every charge request, in order
-    deliveries: dict[str, list[tuple[int, int]]]  # per payment: (stream seq, delivery count) of each
-    rows: Counter[str]  # payment rows in the learner's db
-    processed: set[str]  # payment ids found in the learner's processed table
-    balances: dict[str, int] | None  # None when the table could not be read
-    db_error: str
-    raced: dict[str, int]  # payment id -> workers that held it at once
-    errors: list[dict[str, Any]]
+    requests: dict[str, list[gw.Request]]  # charge requests per payment, as the gateway logged them
+    ledger: Counter[str]
+    ledger_error: str
+    info: Any
     traces: dict[str, list[str]]
 
     @classmethod
-    def collect(cls, run: Run, plan: _Plan, gateway: gw.GatewayView, db_path: str, t0: float) -> _Evidence:
-        def at(ts: float) -> str:
-            return f"+{ts - t0:.2f}s"
-
+    def collect(cls, lab: _Lab, db_path: str, info: Any) -> _Evidence:
         charges: dict[str, list[gw.Charge]] = defaultdict(list)
-        for charge in gateway.charges():
+        for charge in lab.gateway.charges():
             charges[charge.reference or ""].append(charge)
-        keys: dict[str, list[str | None]] = defaultdict(list)
-        traces: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for request in gateway.requests():
-            ref = request.reference or ""
-            keys[ref].append(request.idempotency_key)
-            key = "no key" if request.idempotency_key is None else f"key {request.idempotency_key!r}"
-            what = "answered with its earlier charge" if request.replayed else "charged"
-            traces[ref].append((request.ts, f"gateway {what} {request.charge_id} ({key})"))
-        deliveries: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        raced: Counter[str] = Counter()
-        errors = []
-        first_seq: dict[str, int] = {}
-        for event in run.log.events():
-            pid_key = event.key or ""
-            who = f"worker {event.pid}"
-            if event.name == "delivered":
-                seq, n = int(event.detail.get("seq", 0)), int(event.detail.get("delivery", 0))
-                deliveries[pid_key].append((seq, n))
-                first_seq.setdefault(pid_key, seq)
-                copy = " (the republished copy)" if seq != first_seq[pid_key] else ""
-                traces[pid_key].append((event.ts, f"delivered to {who}: stream seq {seq}, delivery {n}{copy}"))
-            elif event.kind == "crash":
-                traces[pid_key].append((event.ts, f"{who} {POINTS.get(event.name, event.name)} (injected)"))
-            elif event.name == "db_commit":
-                changed = event.detail.get("rows", 0)
-                wrote = f"{changed} row{'s' if changed != 1 else ''} written" if changed else "nothing written"
-                traces[pid_key].append((event.ts, f"{who} committed a database transaction ({wrote})"))
-            elif event.name == "handled":
-                traces[pid_key].append((event.ts, f"{who} acked it"))
-            elif event.name == "race_arrived":
-                raced[pid_key] += 1
-                held = f"{who} reached its first database write; held until a second worker has it too"
-                traces[pid_key].append((event.ts, held))
-            elif event.name == "handler_error":
-                errors.append({"payment": pid_key, **event.detail})
-                where = f" at {event.detail.get('where')}" if event.detail.get("where") else ""
-                traces[pid_key].append((event.ts, f"{who}: handle_payment raised {event.detail.get('error')}{where}"))
-        rows: Counter[str] = Counter()
-        processed: set[str] = set()
-        balances: dict[str, int] | None = None
-        db_error = ""
+        requests: dict[str, list[gw.Request]] = defaultdict(list)
+        for request in lab.gateway.requests("charge"):
+            requests[request.reference or ""].append(request)
+        ledger: Counter[str] = Counter()
+        ledger_error = ""
         try:
             db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
             try:
-                rows = Counter(r[0] for r in db.execute("select payment_id from payments"))
-                balances = {r[0]: int(r[1]) for r in db.execute("select account, cents from balances")}
-                try:
-                    processed = {str(r[0]) for r in db.execute("select payment_id from processed")}
-                except sqlite3.Error:
-                    processed = set()
+                ledger = Counter(str(r[0]) for r in db.execute("select payment_id from ledger"))
             finally:
                 db.close()
         except sqlite3.Error as exc:
-            db_error = f"{type(exc).__name__}: {exc}"
-        ordered = {pid: [f"{at(ts)} {text}" for ts, text in sorted(steps)] for pid, steps in traces.items()}
-        return cls(plan, charges, keys, deliveries, rows, processed, balances, db_error, dict(raced), errors, ordered)
+            ledger_error = f"{type(exc).__name__}: {exc}"
+        steps: dict[str, list[tuple[float, str]]] = {pid: list(s) for pid, s in lab.steps.items()}
+        for event in lab.run.log.events("crash"):
+            pid = event.key or lab.handed.get(event.pid, "")
+            point = next((p for p, q in lab.plan.crashed if q == pid), "")
+            said = POINTS[point][1] if point else f"killed at {event.name}"
+            steps.setdefault(pid, []).append((event.ts, f"worker {event.pid} {said} (SIGKILL, injected)"))
+        by_seq = {p.seq: p for p in lab.published}
+        for ack in lab.watch.acks:
+            sent = by_seq.get(ack.stream_seq)
+            if sent is None or ack.kind == "progress":
+                continue
+            what = {"ack": "acked", "nak": "nak'ed", "term": "termed"}.get(ack.kind, ack.kind)
+            steps.setdefault(sent.payment_id, []).append(
+                (ack.ts, f"stream seq {ack.stream_seq} {what} (delivery {ack.delivered})")
+            )
+        if lab.advanced_at is not None:
+            for s in steps.values():
+                if s and min(t for t, _ in s) < lab.advanced_at < max(t for t, _ in s):
+                    s.append((lab.advanced_at, "the gateway's clock moved 25 h forward (a day passes)"))
+        traces = {pid: _squash([f"{lab.run.at(ts)} {text}" for ts, text in sorted(s)]) for pid, s in steps.items()}
+        return cls(lab, charges, requests, ledger, ledger_error, info, traces)
 
-    def ids(self) -> list[str]:
-        """Every payment id, in plan order."""
-        return [p["payment_id"] for p in self.plan.payments]
+    @property
+    def plan(self) -> _Plan:
+        return self.lab.plan
 
-    def story_first(self, pids: list[str]) -> list[str]:
-        """The payments to quote first: the incident's own story (killed after the gateway charged) leads."""
-        order = list(POINTS)
+    def story_first(self, pids: Iterable[str], order: tuple[str, ...] = ()) -> list[str]:
+        """The payments to quote first: by default the incident's own story (killed after the charge) leads."""
+        order = order or ("after_charge", "race", "after_commit", "key_expired", "day_later", "before_charge")
 
-        def rank(pid: str) -> tuple[int, int]:
-            if pid in self.plan.crashes:
-                point = self.plan.crashes[pid]
-                return (0 if point == "after_charge" else 1, order.index(point))
-            return (2 if self.raced.get(pid, 0) >= 2 else 3, 0)
+        def rank(pid: str) -> int:
+            role = self.plan.point_of(pid) or ("race" if pid == self.plan.race else "")
+            role = role or ("day_later" if pid == self.plan.day_later else "")
+            return order.index(role) if role in order else len(order)
 
-        return sorted(pids, key=rank)
+        return sorted(pids, key=lambda pid: (rank(pid), pid))
 
-    def why_delivered(self, pid: str) -> str:
-        """Why this payment came more than once, in words."""
-        reasons = []
-        if pid in self.plan.crashes:
-            reasons.append(f"a worker was {POINTS[self.plan.crashes[pid]]}")
-        if pid in self.plan.republished:
-            reasons.append("it was published twice as two messages")
-        if self.raced.get(pid, 0) >= 2:
-            reasons.append("two workers had it at the same time")
-        return "; ".join(reasons)
+    def why_again(self, pid: str) -> str:
+        """Why this payment reached a worker more than once, from what the grader did and saw."""
+        fired = {self.lab.handed.get(e.pid) for e in self.lab.run.log.events("crash")}
+        point = self.plan.point_of(pid)
+        if point and pid in fired:
+            return {
+                "before_charge": "its first worker was killed before the gateway call, so the broker delivered it "
+                "again",
+                "after_charge": "its first worker was killed right after the gateway charged it, before anything was "
+                "recorded, so the broker delivered it again",
+                "after_commit": "its first worker was killed right after its first commit, before the ack, so the "
+                "broker delivered it again",
+                "key_expired": "its first worker was killed right after the gateway charged it, before anything was "
+                "recorded, and its redelivery reached the gateway after the gateway's clock had moved 25 h",
+            }[point]
+        if pid == self.plan.race:
+            return "the checkout published it twice at once and two workers held it at the same time"
+        if pid == self.plan.day_later:
+            return "the checkout published it again a day later (the gateway's clock had moved 25 h)"
+        return ""
 
-    def deliveries_text(self, pid: str) -> str:
-        """'2 deliveries (stream seqs 3, 11)'."""
-        seqs = sorted({s for s, _ in self.deliveries.get(pid, [])})
-        seq_text = f"stream seq {seqs[0]}" if len(seqs) == 1 else f"stream seqs {', '.join(map(str, seqs))}"
-        return f"{len(self.deliveries.get(pid, []))} deliveries ({seq_text})"
+    def trace(self, pid: str, *more: str) -> list[str]:
+        return [*self.traces.get(pid, []), *more]
+
+    def seqs(self, pid: str) -> list[int]:
+        return [p.seq for p in self.lab.published if p.payment_id == pid]
+
+    def acked_before(self, pid: str, ts: float) -> float | None:
+        """When a message of this payment was first acked before ts (the grader's clock), if it was."""
+        times = [a.ts for seq in self.seqs(pid) for a in self.lab.watch.of(seq) if a.kind == "ack" and a.ts < ts]
+        return min(times) if times else None
+
+    def deaths(self) -> str:
+        """A sentence for messages about what is missing, when long-running workers ended on their own."""
+        ended = [c for c in self.lab.steady if c.unplanned or c.protocol_error]
+        if not ended:
+            return ""
+        what = "; ".join(f"worker {c.pid} {c.how_it_ended()}" for c in ended[:2])
+        alive = sum(c.alive for c in self.lab.steady)
+        who = "Both of your long-running workers" if len(ended) > 1 else "One of your two long-running workers"
+        tail = "no worker was left to take it" if not alive else "the other one still ran"
+        own = "their own" if len(ended) > 1 else "its own"
+        return f"\n{who} ended on {own} ({what}): {tail} (see no_unplanned_deaths)."
+
+
+def _squash(lines: list[str], keep: int = 14) -> list[str]:
+    """A trace short enough to read: long repeated tails (a nak loop) are cut."""
+    if len(lines) <= keep:
+        return lines
+    return [*lines[: keep - 2], f"... {len(lines) - keep + 1} more steps ...", lines[-1]]
 
 
 def _n(count: int, noun: str) -> str:
@@ -524,141 +777,183 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun} was" if count == 1 else f"{count} {noun}s were"
 
 
-def _first_error(ev: _Evidence) -> str:
-    if not ev.errors:
-        return ""
-    e = ev.errors[0]
-    where = f" at {e.get('where')}" if e.get("where") else ""
-    raised = f"handle_payment raised {e.get('error')}({e.get('message')}){where}"
-    return f"\n{raised} on {e['payment']} ({len(ev.errors)} times in all)."
-
-
-def _charged_once_check(ev: _Evidence) -> Check:
-    title = "every payment is charged at the gateway exactly once (no double charge)"
-    twice = ev.story_first([pid for pid in ev.ids() if len(ev.charges.get(pid, [])) > 1])
-    if not twice:
-        return Check("charged_once", title, True)
-    pid = twice[0]
-    charges = ev.charges[pid]
-    keys = ev.keys.get(pid, [])
-    message = (
-        f"{len(twice)} of {PAYMENTS} payments were charged more than once: {pid} was charged {len(charges)} times "
-        f"({', '.join(c.charge_id for c in charges)}) over {ev.deliveries_text(pid)}; {ev.why_delivered(pid)}."
-    )
-    if any(k is None for k in keys):
-        message += "\nIts charge requests carried no idempotency key, so the gateway took the retry for a new payment."
-    elif len(set(keys)) > 1:
-        message += (
-            f"\nIts charge requests carried {len(set(keys))} different keys ({_keys_text(keys)}): "
-            "every delivery looked new."
-        )
-    return Check(
-        "charged_once", title, False, message, trace=ev.traces.get(pid, []),
-        hint="pass env.charge(payment, idempotency_key=...) a key taken from the payment itself (its payment_id): "
-        "the gateway then answers a repeat with the first charge",
-    )  # fmt: skip
-
-
 def _keys_text(keys: list[str | None]) -> str:
     distinct = list(dict.fromkeys(keys))
     return ", ".join("none" if k is None else repr(k) for k in distinct[:3]) + (" ..." if len(distinct) > 3 else "")
 
 
-def _none_lost_check(ev: _Evidence) -> Check:
-    title = "every payment is charged and recorded in your database (none lost)"
-    if ev.db_error:
-        return Check(
-            "none_lost", title, False, f"the grader could not read the payments and balances tables: {ev.db_error}",
-            hint="keep the payments and balances tables that setup_db creates; add processed beside them",
-        )  # fmt: skip
-    lost = ev.story_first([pid for pid in ev.ids() if not ev.charges.get(pid) or not ev.rows.get(pid)])
-    if not lost:
-        return Check("none_lost", title, True)
-    pid = lost[0]
-    if not ev.charges.get(pid) and not ev.rows.get(pid):
-        what = "was never charged and never recorded"
-    elif not ev.rows.get(pid):
-        what = f"was charged at the gateway ({ev.charges[pid][0].charge_id}) but your payments table has no row for it"
-    else:
-        what = "is in your payments table but the gateway never charged it"
-    message = f"{len(lost)} of {PAYMENTS} payments were lost: {pid} {what}, after {ev.deliveries_text(pid)}."
-    if pid in ev.processed:
+def _spread(ev: _Evidence, pid: str) -> str:
+    """How far apart in time the charge requests of one payment came, measured by the gateway."""
+    times = [r.ts for r in ev.requests.get(pid, [])]
+    if len(times) < 2 or max(times) - min(times) < 1.0:
+        return ""
+    return f"; they came {max(times) - min(times):.1f} s apart"
+
+
+def _charged_once_check(ev: _Evidence) -> Check:
+    title = "no payment is charged twice at the gateway, not even after the gateway's key window"
+    twice = ev.story_first(pid for pid in ev.plan.ids if len(ev.charges.get(pid, [])) > 1)
+    if not twice:
+        return Check("charged_once", title, True)
+    pid = twice[0]
+    charges = ev.charges[pid]
+    keys = [r.idempotency_key for r in ev.requests.get(pid, [])]
+    why = ev.why_again(pid)
+    message = (
+        f"{len(twice)} of {PAYMENTS} payments were charged more than once: {pid} was charged {len(charges)} times "
+        f"({', '.join(c.charge_id for c in charges)}){'; ' + why if why else ''}."
+    )
+    gap_h = (charges[-1].created - charges[0].created) / 3600
+    if any(k is None for k in keys):
+        message += " Its charge requests carried no idempotency key, so the gateway took the retry for a new payment."
+        hint = "send every charge with an idempotency key that names the payment, the same on every delivery"
+    elif len(set(keys)) > 1:
         message += (
-            f"\nYet {pid} is in processed: its dedup record was committed without its effect, so every redelivery "
-            "skipped it. A crash fell between two transactions."
+            f" Its charge requests carried {len(set(keys))} different keys ({_keys_text(keys)}){_spread(ev, pid)}"
         )
-    message += _first_error(ev)
-    return Check(
-        "none_lost", title, False, message, trace=[*ev.traces.get(pid, []), "never recorded"],
-        hint="record the key in processed and credit the payment in ONE transaction (one `with env.db:` block): "
-        "a crash then leaves both or neither, and the redelivery redoes what was lost",
-    )  # fmt: skip
-
-
-def _balances_check(ev: _Evidence) -> Check:
-    title = "each account's balance is the sum of its payments, each counted once"
-    if ev.balances is None:
-        return Check("balances_add_up", title, False, f"the grader could not read the balances table: {ev.db_error}",
-                     hint="keep the balances table that setup_db creates")  # fmt: skip
-    expected: Counter[str] = Counter()
-    for p in ev.plan.payments:
-        expected[p["account"]] += p["cents"]
-    doubled = ev.story_first([pid for pid in ev.ids() if ev.rows.get(pid, 0) > 1])
-    wrong = {a: (ev.balances.get(a, 0), cents) for a, cents in expected.items() if ev.balances.get(a, 0) != cents}
-    if not doubled and not wrong:
-        return Check("balances_add_up", title, True)
-    by_id = {p["payment_id"]: p for p in ev.plan.payments}
-    if doubled:
-        pid = doubled[0]
-        account = by_id[pid]["account"]
-        got, want = ev.balances.get(account, 0), expected[account]
-        message = (
-            f"{_n(len(doubled), 'payment')} credited more than once: {pid} ({by_id[pid]['cents']} cents) is in your "
-            f"payments table {ev.rows[pid]} times after {ev.deliveries_text(pid)}; {ev.why_delivered(pid)}. "
-            f"{account} holds {got} cents, its payments add up to {want}."
+        message += ": to the gateway each one was a new payment."
+        hint = (
+            "make the key from the payment itself, never from the delivery attempt, the message or the clock: "
+            "a redelivery over a second later and a copy with its own stream sequence must send the same key"
         )
-        if ev.raced.get(pid, 0) >= 2:
+    elif gap_h * 3600 > KEY_WINDOW:
+        both = "Both requests" if len(keys) == 2 else f"All {len(keys)} charge requests"
+        message += (
+            f" {both} carried the key {keys[0]!r}, but the charge {charges[-1].charge_id} came {gap_h:.0f} h after "
+            f"the first on the gateway's clock, after its {KEY_WINDOW / 3600:.0f} h key window: the gateway had "
+            "forgotten the key."
+        )
+        credited_at = ev.acked_before(pid, charges[-1].ts)
+        if credited_at is not None and ev.ledger.get(pid):
+            copy = f"the checkout's copy of {pid}, published a day later" if pid == ev.plan.day_later else pid
             message += (
-                f"\nTwo workers had {pid} at once and both went on to credit it: a check that reads processed before "
-                "inserting cannot see the other worker's insert. Only a unique key settles who was first."
+                f"\nYour worker had already handled {pid}: a message of it was acked at {ev.lab.run.at(credited_at)}, "
+                f"before this second charge, and it is in your ledger. Your own records knew it was done, but "
+                f"{copy} reached the gateway anyway."
             )
             hint = (
-                "give processed a primary key and claim the key with insert ... on conflict (payment_id) do nothing "
-                "inside the transaction; credit only when that insert added a row (rowcount 1)"
+                "look in your own records before the gateway call: a payment you have already credited must never "
+                "reach the gateway again, whatever the gateway still remembers"
             )
         else:
             hint = (
-                "in the transaction, insert the key into processed first and return without crediting "
-                "when it was already there"
+                "when your records do not show a payment as credited, a delivery before this one may still have "
+                "charged it: ask the gateway's search what it already charged for this payment (the search "
+                "remembers after the key window) and use that charge instead of charging again"
             )
-        return Check("balances_add_up", title, False, message, trace=ev.traces.get(pid, []), hint=hint)
-    account, (got, want) = next(iter(wrong.items()))
-    missing = [pid for pid in ev.ids() if by_id[pid]["account"] == account and not ev.rows.get(pid)]
-    message = f"{account} holds {got} cents; the payments to {account} add up to {want}."
-    if missing:
-        message += f" Not credited: {', '.join(missing)}."
-    return Check(
-        "balances_add_up", title, False, message, trace=ev.traces.get(missing[0], []) if missing else [],
-        hint="credit the balance in the same transaction as the payment row and the processed row",
-    )  # fmt: skip
+    else:
+        hint = "send the payment's own key with every charge, and look in your records before charging"
+    return Check("charged_once", title, False, message, trace=ev.trace(pid), hint=hint)
+
+
+def _none_lost_check(ev: _Evidence) -> Check:
+    title = "every payment is charged at the gateway and credited in your ledger (none lost)"
+    if ev.ledger_error:
+        return Check(
+            "none_lost", title, False, f"the grader could not read your ledger table: {ev.ledger_error}",
+            hint="keep the ledger table that setup_db creates (payment_id, account, cents, charge_id): the grader "
+            "reads it",
+        )  # fmt: skip
+    lost = ev.story_first(pid for pid in ev.plan.ids if not ev.charges.get(pid) or not ev.ledger.get(pid))
+    if not lost:
+        return Check("none_lost", title, True)
+    pid = lost[0]
+    seqs = ev.seqs(pid)
+    acked = [seq for seq in seqs if ev.lab.watch.acked(seq)]
+    if not ev.charges.get(pid) and not ev.ledger.get(pid):
+        what = "was never charged and never credited"
+    elif not ev.ledger.get(pid):
+        what = f"was charged at the gateway ({ev.charges[pid][0].charge_id}) but has no row in your ledger"
+    else:
+        what = "is in your ledger, but the gateway never charged it"
+    message = f"{len(lost)} of {PAYMENTS} payments were lost: {pid} {what}."
+    hint = "handle every delivery to the end before it is acked: charge (once), then credit"
+    first = next((w for w, p in ev.lab.handed.items() if p == pid), None)  # the one-shot worker it was handed to
+    committed = [t for t, text in ev.lab.steps.get(pid, []) if f"worker {first} committed" in text]
+    if acked and committed and not ev.ledger.get(pid) and any(c.pid == first and c.fired for c in ev.lab.oneshots):
+        message += (
+            f"\nIts first worker committed a transaction for it and was then killed (injected); a later delivery "
+            f"was acked without crediting it (stream seq {acked[0]}). That commit recorded the payment as done "
+            "without its credit: the kill fell between two transactions."
+        )
+        hint = (
+            "record that a payment is done in the same transaction as its credit: a crash then leaves both or "
+            "neither, and the redelivery redoes whatever was lost"
+        )
+    elif acked and not ev.ledger.get(pid):
+        message += f"\nIts message was acked (stream seq {acked[0]}), so the broker will not deliver it again."
+    elif not acked:
+        message += f"\nIts message (stream seq {', '.join(map(str, seqs))}) was never acked: see all_acked."
+    message += ev.deaths()
+    end = "never credited" if not ev.ledger.get(pid) else "never charged"
+    return Check("none_lost", title, False, message, trace=ev.trace(pid, end), hint=hint)
+
+
+def _credited_once_check(ev: _Evidence) -> Check:
+    title = "no payment is credited twice in your ledger"
+    if ev.ledger_error:
+        return Check("credited_once", title, False, f"the grader could not read your ledger table: {ev.ledger_error}",
+                     hint="keep the ledger table that setup_db creates")  # fmt: skip
+    doubled = ev.story_first(
+        (pid for pid in ev.plan.ids if ev.ledger.get(pid, 0) > 1),
+        ("after_commit", "day_later", "race", "after_charge", "key_expired", "before_charge"),
+    )
+    if not doubled:
+        return Check("credited_once", title, True)
+    pid = doubled[0]
+    cents = ev.plan.payment(pid)["cents"]
+    message = (
+        f"{_n(len(doubled), 'payment')} credited more than once: {pid} ({cents} cents) has {ev.ledger[pid]} rows in "
+        "your ledger."
+    )
+    race = ev.lab.race
+    if pid == ev.plan.race and len(race.arrived) >= 2:
+        message += (
+            "\nThe checkout published it twice and two workers held it at the same moment: each was held at its "
+            "first database write until the other reached its own, then both wrote, and both credited it. A look "
+            "before the write cannot see what the other worker has not committed yet; only the database can "
+            "decide who was first."
+        )
+        hint = (
+            "make the database itself refuse a second record of the same payment (a unique key on it), and credit "
+            "only when your record was the one written; or take the write lock before you look"
+        )
+    elif ev.plan.point_of(pid) == "after_commit":
+        message += (
+            "\nIts worker was killed right after committing the credit, before its ack; the redelivery credited it "
+            "again."
+        )
+        hint = (
+            "before crediting, find out in the same transaction whether this payment was already credited, and skip "
+            "it if so: the record and the credit must commit together"
+        )
+    else:
+        why = ev.why_again(pid)
+        seqs = ev.seqs(pid)
+        message += f" It came as {len(seqs)} message(s) (stream seq {', '.join(map(str, seqs))})"
+        message += f"; {why}." if why else "."
+        hint = "keep a record of credited payments that the database refuses to hold twice, and skip what it holds"
+    return Check("credited_once", title, False, message, trace=ev.trace(pid), hint=hint)
 
 
 def _stable_key_check(ev: _Evidence) -> Check:
-    title = "the idempotency key sent to the gateway is the same on every delivery of a payment"
-    no_key = ev.story_first([pid for pid in ev.ids() if any(k is None for k in ev.keys.get(pid, []))])
-    unstable = ev.story_first([pid for pid in ev.ids() if len({k for k in ev.keys.get(pid, []) if k is not None}) > 1])
+    title = "every charge request for a payment carries the same idempotency key"
+    no_key = ev.story_first(pid for pid in ev.plan.ids if any(r.idempotency_key is None for r in ev.requests[pid]))
+    unstable = ev.story_first(
+        pid for pid in ev.plan.ids if len({r.idempotency_key for r in ev.requests[pid] if r.idempotency_key}) > 1
+    )
     if not no_key and not unstable:
         return Check("stable_key", title, True)
     hint = (
-        "derive the key from the payment (payment['payment_id']), never from the attempt (uuid4) or from the "
-        "message (its stream sequence): a redelivery and a republished copy must send the same key"
+        "make the key from the payment itself, never from the attempt (a random value, the delivery count), "
+        "the message (its stream sequence) or the clock: a redelivery and a copy must send the same key"
     )
     if unstable:
         pid = unstable[0]
-        keys = ev.keys[pid]
+        keys = [r.idempotency_key for r in ev.requests[pid]]
         message = (
-            f"{_n(len(unstable), 'payment')} reached the gateway under more than one key: {pid} was sent "
-            f"{len(set(keys))} different keys ({_keys_text(keys)}) over {ev.deliveries_text(pid)}."
+            f"{_n(len(unstable), 'payment')} sent to the gateway under more than one key: {pid} was sent "
+            f"{len(set(keys))} different keys ({_keys_text(keys)}){_spread(ev, pid)}."
         )
     else:
         pid = no_key[0]
@@ -666,12 +961,13 @@ def _stable_key_check(ev: _Evidence) -> Check:
             f"{len(no_key)} of {PAYMENTS} payments were sent to the gateway without an idempotency key, e.g. {pid}: "
             "the gateway cannot tell a retry of it from a new payment."
         )
-        hint = "pass idempotency_key=<the payment's id> to env.charge"
-    return Check("stable_key", title, False, message, trace=ev.traces.get(pid, []), hint=hint)
+        hint = "send every charge with an idempotency key that names the payment"
+    return Check("stable_key", title, False, message, trace=ev.trace(pid), hint=hint)
 
 
-def _acked_check(info: Any, pool: _Pool, ev: _Evidence) -> Check:
+def _acked_check(ev: _Evidence) -> Check:
     title = "every payment message is acked on the durable 'payments' (nothing stuck)"
+    info = ev.info
     pending, unacked = info.num_pending, info.num_ack_pending
     if pending == 0 and unacked == 0:
         return Check("all_acked", title, True)
@@ -679,13 +975,61 @@ def _acked_check(info: Any, pool: _Pool, ev: _Evidence) -> Check:
         f"the durable 'payments' still has {pending} undelivered and {unacked} delivered-but-unacked messages "
         f"({info.num_redelivered} redelivered) at the end of the run."
     )
-    died = [w.died for w in pool.workers if w.died]
-    if died:
-        d = died[0]
-        message += f"\nA worker died: {d.get('error')}({d.get('message')}) at {d.get('where')}."
-    message += _first_error(ev)
+    stuck = [p for p in ev.lab.published if ev.lab.stuck(p.seq)]
+    trace: list[str] = []
+    hint = "handle every delivery to the end, duplicates included, and ack it"
+    if stuck:
+        p = stuck[0]
+        naks = sum(a.kind == "nak" for a in ev.lab.watch.of(p.seq))
+        message += (
+            f"\n{p.payment_id} (stream seq {p.seq}) was nak'ed {naks} times: every delivery of it failed, so it can "
+            "never be acked."
+        )
+        trace = ev.trace(p.payment_id)
+        hint = (
+            "a duplicate is not an error: when a payment was already credited, skip the work and ack it, instead "
+            "of raising and letting it come back forever"
+        )
+    message += ev.deaths()
+    return Check("all_acked", title, False, message, trace=trace, hint=hint)
+
+
+def _late_check(ev: _Evidence) -> Check:
+    title = "a payment published after an idle spell is handled by a worker that was already running"
+    lab = ev.lab
+    late = next((p for p in lab.published if p.label == "late"), None)
+    if late is None:
+        return Check("late_payment_handled", title, False, "the late payment was never published (grader stopped)",
+                     hint="keep your workers running")  # fmt: skip
+    idle_for = late.ts - (lab.quiet or late.ts)
+    handlers = {c.pid for c in lab.calls if c.payment_id == late.payment_id}
+    running = {c.pid for c in lab.steady}
+    longest = max((p.expires for p in lab.watch.pulls), default=0.0)
+    # A worker that handled the late payment after an idle gap longer than any fetch's expiry fetched again.
+    waited = lab.refetch is not None or idle_for > longest
+    ok = bool(handlers & running) and bool(lab.watch.acked(late.seq)) and waited
+    if ok:
+        return Check("late_payment_handled", title, True)
+    if lab.refetch is not None:
+        seen = (
+            f"the queue was idle for {idle_for:.1f} s and a worker asked the broker again after its fetch expired "
+            f"(at {lab.run.at(lab.refetch.ts)})"
+        )
+    else:
+        last = max((p.ts for p in lab.watch.pulls), default=lab.idle_since or late.ts)
+        seen = (
+            f"the queue was idle for {idle_for:.1f} s and no worker asked the broker for messages again after its "
+            f"fetch expired (the last pull request was at {lab.run.at(last)}, waiting {longest:.2f} s)"
+        )
+    message = f"{late.payment_id} was published at {lab.run.at(late.ts)}, after {seen}. "
+    if not lab.watch.acked(late.seq):
+        message += "No worker took it to the end: it was never acked."
+    elif not handlers & running:
+        message += "It was handled, but not by one of the workers that had been running."
+    else:
+        message += "It was handled, but no worker was seen fetching again after an empty fetch."
+    message += ev.deaths()
     return Check(
-        "all_acked", title, False, message,
-        hint="handle_payment must return normally for every delivery, duplicates included: claim the key with "
-        "insert ... on conflict (payment_id) do nothing and skip when it changed 0 rows, instead of raising",
+        "late_payment_handled", title, False, message, trace=ev.trace(late.payment_id),
+        hint="a worker runs until it is stopped: an empty fetch means 'nothing yet', so ask again, never return",
     )  # fmt: skip

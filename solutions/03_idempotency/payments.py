@@ -1,63 +1,97 @@
-"""Lab 03: charge every payment exactly once, however often the broker delivers it.
+"""Lab 03: charge and credit every payment exactly once, however often the broker delivers it.
 
 The payment worker takes payments from JetStream, charges each one at the payment gateway and
-credits it in the shop's database. JetStream delivers at least once: a worker killed before its
-ack gets the payment delivered again, a slow worker's payment goes to a second worker while the
-first is still on it, and the checkout sometimes publishes the same payment twice. Today every
-one of those charges the customer again. Make the effect happen once: a stable idempotency key,
-a dedup record written in the same transaction as the credit, and the key passed to the gateway.
+credits it in the shop's ledger. JetStream delivers at least once: a worker killed before its ack
+gets the payment delivered again, the checkout sometimes publishes the same payment twice, two
+workers can hold the same payment at the same moment, and a redelivery (or a copy) can come after
+the gateway has forgotten its idempotency keys. Today every one of those charges the customer again
+and credits them again. The task, as requirements, is in README.md.
 
-What the grader hands you in `env`:
-  env.db                  a sqlite3 connection to the shop's database (WAL mode, busy_timeout set);
-                          `with env.db:` is one transaction: it commits at the end, or rolls back
-                          if the block raises (or the process dies inside it)
-  env.charge(payment, idempotency_key=None)
-                          charges payment["cents"] to payment["account"] at the payment gateway
-                          (a NATS request to gateway.charge, the key in an Idempotency-Key header);
-                          returns {"charge_id": ..., "replayed": ...}
-  env.nc, env.js          the NATS connection and its JetStream context (not needed here)
-
-The worker loop around handle_payment is the grader's: it fetches one message at a time from the
-durable "payments" and acks it once handle_payment returns (ack after the work, as in lab 01).
+What the grader (or the lab notebook) hands you in `env`:
+  env.db          a sqlite3 connection to the shop's database (WAL mode and a busy timeout, so two
+                  workers wait for each other instead of failing). The grader reads the ledger table.
+  await env.charge(payment, idempotency_key=None)
+                  charges payment["cents"] to payment["account"] at the gateway, with
+                  payment["payment_id"] as the charge's reference; returns a dict with "charge_id"
+                  and "replayed". The gateway remembers a key for 24 h: a repeat inside that window
+                  gets the first charge back ("replayed": True). A key reused with other parameters
+                  raises env.IdempotencyKeyReused.
+  await env.find_charges(payment_id)
+                  the gateway's search: the charges it made with that reference, as a list of dicts
+                  like charge's answer. Like a real gateway's search it lags behind: a charge shows
+                  up about a minute after it was made, and it is still there after the key window.
+  env.js, env.stream("PAYMENTS"), env.durable("payments")
+                  JetStream, and the stream and durable consumer the platform made for you.
 
 Check your work:  msglab check 03   (or run the last cell of lab.ipynb)
 """
 
 import json
-import uuid
+
+FETCH_TIMEOUT = 0.5  # seconds a fetch waits for a payment (scaled down: production long-polls 5-30 s)
 
 
 def setup_db(db) -> None:
-    """Create the tables; every worker calls this when it starts, so it must be safe to repeat."""
-    db.execute("create table if not exists balances (account text primary key, cents integer not null)")
+    """Create the shop's tables; every worker runs this when it starts, so it must be safe to repeat."""
     db.execute(
-        "create table if not exists payments (payment_id text not null, account text not null, "
+        "create table if not exists ledger (payment_id text not null, account text not null, "
         "cents integer not null, charge_id text not null)"
     )
-    # TODO: Create a processed table whose primary key is payment_id, so a payment can be recorded only once.
-    db.execute("create table if not exists processed (payment_id text primary key)")
+    # TODO: Keep a record of the payments you have credited that two workers writing at the same moment can never both add.
+    # The dedup table. Its primary key is what makes it work: the database refuses a second row for one
+    # payment, so no code path, and no second worker writing at the same moment, can record it twice.
+    db.execute("create table if not exists credited (payment_id text primary key)")
 
 
 async def handle_payment(env, msg) -> None:
-    """Charge one payment and credit it, with the same effect however often msg is delivered."""
-    payment = json.loads(msg.data)
-    # TODO: Use the payment's own id as the idempotency key, so every delivery of this payment has the same key.
+    """Charge one payment and credit it; a redelivery, a copy or a second worker must change nothing more."""
+    payment = json.loads(msg.data)  # {"payment_id": "p-03", "account": "acct-2", "cents": 4250}
+    # TODO: Send every charge request for one payment under the same idempotency key, whichever delivery or copy sends it.
+    # The key names the operation (this payment), not the attempt, the message or the moment: a redelivery
+    # a second later and a copy with its own stream sequence carry the same payment_id.
     key = payment["payment_id"]
-    # TODO: Pass the key to the gateway as idempotency_key, so a repeated charge returns the first charge.
-    charge = await env.charge(payment, idempotency_key=key)
-    with env.db:  # one transaction: what runs in this block commits together, or not at all
-        # TODO: Insert the key into processed first, and return without crediting when it was already there.
+    # TODO: Make sure a payment you have already credited never reaches the gateway again, even after its key window.
+    # Our own records first. The gateway forgets keys after 24 h; this table forgets nothing, so a copy or a
+    # redelivery of a credited payment stops here, however late it comes.
+    if env.db.execute("select 1 from credited where payment_id = ?", (key,)).fetchone():
+        return
+    # TODO: Make sure a delivery that follows one killed between the charge and the credit does not charge again, even after the key window.
+    # Not credited yet, but a delivery before this one may have charged it and died before crediting. After
+    # the key window only the gateway's search (by the payment's reference) knows that; inside the window
+    # the search may not show a charge made a moment ago, and the key makes the repeat harmless instead.
+    # (This asks the search once per new payment. Recording the attempt before charging, and searching only
+    # on a delivery that finds an attempt but no credit, is as right and spares the searches.)
+    found = await env.find_charges(key)
+    charge = found[0] if found else await env.charge(payment, idempotency_key=key)
+    # TODO: Credit each payment exactly once, so that a kill at any point leaves its credit and your record of it both written or both missing.
+    # One transaction: the dedup record and the credit commit together or not at all, so a kill leaves both or
+    # neither. The insert is the claim: exactly one insert per payment adds a row (rowcount 1). A second worker
+    # that passed the check above at the same moment waits for our lock, then changes 0 rows and credits nothing.
+    with env.db:
         claimed = env.db.execute(
-            "insert into processed (payment_id) values (?) on conflict (payment_id) do nothing", (key,)
+            "insert into credited (payment_id) values (?) on conflict (payment_id) do nothing", (key,)
         ).rowcount
-        if claimed == 0:
-            return  # an earlier delivery (or the other worker, just now) recorded it: nothing more to do
-        env.db.execute(
-            "insert into payments (payment_id, account, cents, charge_id) values (?, ?, ?, ?)",
-            (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"]),
-        )
-        env.db.execute(
-            "insert into balances (account, cents) values (?, ?) "
-            "on conflict (account) do update set cents = cents + excluded.cents",
-            (payment["account"], payment["cents"]),
-        )
+        if claimed:
+            credit(env.db, payment, charge["charge_id"])
+
+
+def credit(db, payment, charge_id) -> None:
+    """Add the payment to the shop's ledger, inside the caller's transaction."""
+    db.execute(
+        "insert into ledger (payment_id, account, cents, charge_id) values (?, ?, ?, ?)",
+        (payment["payment_id"], payment["account"], payment["cents"], charge_id),
+    )
+
+
+async def payment_worker(env) -> None:
+    """Handle payments from the durable one at a time, until the process is stopped (as in labs 01 and 02)."""
+    setup_db(env.db)
+    sub = await env.js.pull_subscribe_bind(env.durable("payments"), env.stream("PAYMENTS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=FETCH_TIMEOUT)
+        except TimeoutError:
+            continue  # nothing to do yet: a worker keeps asking
+        for msg in msgs:
+            await handle_payment(env, msg)
+            await msg.ack_sync()  # after the work: a kill before this line means a redelivery

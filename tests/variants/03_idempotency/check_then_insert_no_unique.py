@@ -1,35 +1,49 @@
-"""Wrong variant: processed has no unique constraint; the worker checks it, charges, then inserts.
-Two workers with the same payment both pass the check before either inserts, and both credit it."""
+"""Wrong: the dedup table has no unique key; the worker looks, then inserts. Two workers holding the
+same payment at once both look before either inserts, and both credit it.
+
+Expect: fail credited_once
+"""
 
 import json
 
+LEDGER = (
+    "create table if not exists ledger (payment_id text not null, account text not null, "
+    "cents integer not null, charge_id text not null)"
+)
+CREDIT = "insert into ledger (payment_id, account, cents, charge_id) values (?, ?, ?, ?)"
+
+
+def row(payment, charge):
+    return (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"])
+
 
 def setup_db(db) -> None:
-    """Create the tables; every worker calls this when it starts, so it must be safe to repeat."""
-    db.execute("create table if not exists balances (account text primary key, cents integer not null)")
-    db.execute(
-        "create table if not exists payments (payment_id text not null, account text not null, "
-        "cents integer not null, charge_id text not null)"
-    )
-    # TODO: Create a processed table whose primary key is payment_id, so a payment can be recorded only once.
-    db.execute("create table if not exists processed (payment_id text not null)")  # no unique constraint
+    db.execute(LEDGER)
+    db.execute("create table if not exists credited (payment_id text not null)")  # nothing refuses a second row
 
 
 async def handle_payment(env, msg) -> None:
-    """Charge one payment and credit it, with the same effect however often msg is delivered."""
     payment = json.loads(msg.data)
     key = payment["payment_id"]
-    if env.db.execute("select 1 from processed where payment_id = ?", (key,)).fetchone():
-        return  # seen before (but only if the other worker has already inserted it)
-    charge = await env.charge(payment, idempotency_key=key)
+    if env.db.execute("select 1 from credited where payment_id = ?", (key,)).fetchone():
+        return
+    found = await env.find_charges(key)
+    charge = found[0] if found else await env.charge(payment, idempotency_key=key)
     with env.db:
-        env.db.execute("insert into processed (payment_id) values (?)", (key,))
-        env.db.execute(
-            "insert into payments (payment_id, account, cents, charge_id) values (?, ?, ?, ?)",
-            (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"]),
-        )
-        env.db.execute(
-            "insert into balances (account, cents) values (?, ?) "
-            "on conflict (account) do update set cents = cents + excluded.cents",
-            (payment["account"], payment["cents"]),
-        )
+        if env.db.execute("select 1 from credited where payment_id = ?", (key,)).fetchone():
+            return  # seen, but only if the other worker has already committed
+        env.db.execute("insert into credited (payment_id) values (?)", (key,))
+        env.db.execute(CREDIT, row(payment, charge))
+
+
+async def payment_worker(env) -> None:
+    setup_db(env.db)
+    sub = await env.js.pull_subscribe_bind(env.durable("payments"), env.stream("PAYMENTS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            await handle_payment(env, msg)
+            await msg.ack_sync()

@@ -1,41 +1,48 @@
-"""Wrong variant: a fresh random key on every attempt; every redelivery looks new to the gateway
-and to the dedup table."""
+"""Wrong: a fresh random idempotency key on every attempt. The redelivery after a kill between the
+charge and the credit looks new to the gateway (its search does not show a charge that recent).
+
+Expect: fail charged_once, stable_key
+"""
 
 import json
 import uuid
 
+LEDGER = (
+    "create table if not exists ledger (payment_id text not null, account text not null, "
+    "cents integer not null, charge_id text not null)"
+)
+CREDIT = "insert into ledger (payment_id, account, cents, charge_id) values (?, ?, ?, ?)"
+
+
+def row(payment, charge):
+    return (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"])
+
 
 def setup_db(db) -> None:
-    """Create the tables; every worker calls this when it starts, so it must be safe to repeat."""
-    db.execute("create table if not exists balances (account text primary key, cents integer not null)")
-    db.execute(
-        "create table if not exists payments (payment_id text not null, account text not null, "
-        "cents integer not null, charge_id text not null)"
-    )
-    # TODO: Create a processed table whose primary key is payment_id, so a payment can be recorded only once.
-    db.execute("create table if not exists processed (payment_id text primary key)")
+    db.execute(LEDGER)
+    db.execute("create table if not exists credited (payment_id text primary key)")
 
 
 async def handle_payment(env, msg) -> None:
-    """Charge one payment and credit it, with the same effect however often msg is delivered."""
     payment = json.loads(msg.data)
-    # TODO: Use the payment's own id as the idempotency key, so every delivery of this payment has the same key.
-    key = uuid.uuid4().hex
-    # TODO: Pass the key to the gateway as idempotency_key, so a repeated charge returns the first charge.
-    charge = await env.charge(payment, idempotency_key=key)
-    with env.db:  # one transaction: what runs in this block commits together, or not at all
-        # TODO: Insert the key into processed first, and return without crediting when it was already there.
-        claimed = env.db.execute(
-            "insert into processed (payment_id) values (?) on conflict (payment_id) do nothing", (key,)
-        ).rowcount
-        if claimed == 0:
-            return  # an earlier delivery (or the other worker, just now) recorded it: nothing more to do
-        env.db.execute(
-            "insert into payments (payment_id, account, cents, charge_id) values (?, ?, ?, ?)",
-            (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"]),
-        )
-        env.db.execute(
-            "insert into balances (account, cents) values (?, ?) "
-            "on conflict (account) do update set cents = cents + excluded.cents",
-            (payment["account"], payment["cents"]),
-        )
+    pid = payment["payment_id"]
+    if env.db.execute("select 1 from credited where payment_id = ?", (pid,)).fetchone():
+        return
+    found = await env.find_charges(pid)
+    charge = found[0] if found else await env.charge(payment, idempotency_key=uuid.uuid4().hex)
+    with env.db:
+        if env.db.execute("insert into credited values (?) on conflict do nothing", (pid,)).rowcount:
+            env.db.execute(CREDIT, row(payment, charge))
+
+
+async def payment_worker(env) -> None:
+    setup_db(env.db)
+    sub = await env.js.pull_subscribe_bind(env.durable("payments"), env.stream("PAYMENTS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            await handle_payment(env, msg)
+            await msg.ack_sync()

@@ -1,0 +1,49 @@
+"""Wrong: the idempotency key is the payment id plus the current second. A redelivery comes over a
+second later (ack_wait 1.1 s), so it sends another key and is charged again.
+
+Expect: fail charged_once, stable_key
+"""
+
+import json
+import time
+
+LEDGER = (
+    "create table if not exists ledger (payment_id text not null, account text not null, "
+    "cents integer not null, charge_id text not null)"
+)
+CREDIT = "insert into ledger (payment_id, account, cents, charge_id) values (?, ?, ?, ?)"
+
+
+def row(payment, charge):
+    return (payment["payment_id"], payment["account"], payment["cents"], charge["charge_id"])
+
+
+def setup_db(db) -> None:
+    db.execute(LEDGER)
+    db.execute("create table if not exists credited (payment_id text primary key)")
+
+
+async def handle_payment(env, msg) -> None:
+    payment = json.loads(msg.data)
+    pid = payment["payment_id"]
+    if env.db.execute("select 1 from credited where payment_id = ?", (pid,)).fetchone():
+        return
+    found = await env.find_charges(pid)
+    key = f"{pid}@{int(time.time())}"
+    charge = found[0] if found else await env.charge(payment, idempotency_key=key)
+    with env.db:
+        if env.db.execute("insert into credited values (?) on conflict do nothing", (pid,)).rowcount:
+            env.db.execute(CREDIT, row(payment, charge))
+
+
+async def payment_worker(env) -> None:
+    setup_db(env.db)
+    sub = await env.js.pull_subscribe_bind(env.durable("payments"), env.stream("PAYMENTS"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            await handle_payment(env, msg)
+            await msg.ack_sync()
