@@ -39,6 +39,7 @@ class Pull:
     batch: int
     expires: float  # seconds the request may wait (0: none given)
     no_wait: bool
+    inbox: str = ""  # the reply inbox's prefix: one per connection, so it tells workers apart
 
 
 @dataclass
@@ -84,11 +85,9 @@ class BrokerWatch:
             request = {}
         if isinstance(request, int):  # a bare batch size is a valid request too
             request = {"batch": request}
-        self.pulls.append(
-            Pull(
-                time.time(), int(request.get("batch", 1)), request.get("expires", 0) / 1e9, bool(request.get("no_wait"))
-            )
-        )
+        inbox = ".".join((msg.reply or "").split(".")[:2])
+        batch, expires = int(request.get("batch", 1)), request.get("expires", 0) / 1e9
+        self.pulls.append(Pull(time.time(), batch, expires, bool(request.get("no_wait")), inbox))
 
     def acked(self, stream_seq: int, before: float | None = None) -> Ack | None:
         """The first ack of that message (before a time, if given), or None."""
@@ -102,16 +101,20 @@ class BrokerWatch:
         return [a for a in self.acks if a.stream_seq == stream_seq]
 
     def refetched_after_idle(self, since: float) -> Pull | None:
-        """A pull request sent after an earlier one (sent after `since`) had waited out its `expires`.
+        """A pull request sent by the same connection after an earlier one (sent after `since`) had
+        waited out its `expires` with nothing acked in between.
 
-        Seeing one proves the worker survived an empty fetch and asked again.
+        Seeing one proves that worker survived an empty fetch and asked again.
         """
         # nats-py sends an empty fetch as no_wait requests with an expires and waits that long itself.
         waiting = [p for p in self.pulls if p.ts >= since and p.expires > 0]
         for first in waiting:
             for later in self.pulls:
-                if later.ts >= first.ts + first.expires * 0.95 and later.ts > first.ts:
-                    return later
+                if later.inbox != first.inbox or later.ts < first.ts + first.expires * 0.95 or later.ts <= first.ts:
+                    continue
+                if any(first.ts < ack.ts < later.ts for ack in self.acks):
+                    break  # a message arrived in between: that fetch was not empty
+                return later
         return None
 
 

@@ -137,11 +137,11 @@ def main() -> None:
     ours: set[int] = set()
     try:
         while True:
-            ready, _, _ = select.select([ctl, wake_r], [], [])
+            ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
             if wake_r in ready:
                 os.read(wake_r, 4096)
                 _reap(ctl, ours)
-            if ctl not in ready:
+            if ctl.fileno() not in ready:
                 continue
             try:
                 data, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 4)
