@@ -95,30 +95,48 @@ def slot_prefix(slot: int) -> str:
     return f"s{slot:02d}"
 
 
-def course_streams() -> list[str]:
-    """Every stream name a grader or lesson demo uses (their STREAM / STREAMS constants).
-
-    Permissions match whole subject tokens, and a stream name is one token of the JetStream API
-    subjects, so a slot's user is granted its streams by name: S07_ORDERS, not S07_*.
-    """
+def _course_modules() -> list[object]:
     import importlib
     import pkgutil
 
     import msglab.demos
     import msglab.graders
 
+    return [
+        importlib.import_module(f"{package.__name__}.{info.name}")
+        for package in (msglab.graders, msglab.demos)
+        for info in pkgutil.iter_modules(package.__path__)
+    ]
+
+
+def course_streams() -> list[str]:
+    """Every stream name a grader or lesson demo uses (their STREAM / STREAMS constants).
+
+    Permissions match whole subject tokens, and a stream name is one token of the JetStream API
+    subjects, so a slot's user is granted its streams by name: S07_ORDERS, not S07_*.
+    """
     names: set[str] = set()
-    for package in (msglab.graders, msglab.demos):
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
-            names.update(getattr(module, "STREAMS", ()))
-            if isinstance(getattr(module, "STREAM", None), str):
-                names.add(module.STREAM)
+    for module in _course_modules():
+        names.update(getattr(module, "STREAMS", ()))
+        if isinstance(getattr(module, "STREAM", None), str):
+            names.add(module.STREAM)  # type: ignore[attr-defined]
     return sorted(names)
 
 
-def slot_permissions(slot: int, streams: list[str]) -> dict[str, object]:
-    """Only the slot's own subjects, streams, consumers and inbox; replies to requests it receives."""
+def course_service_subjects() -> list[str]:
+    """Subjects only course services may publish on (every grader's LEARNER_DENY_PUBLISH)."""
+    subjects: set[str] = set()
+    for module in _course_modules():
+        subjects.update(getattr(module, "LEARNER_DENY_PUBLISH", ()))
+    return sorted(subjects)
+
+
+def slot_permissions(slot: int, streams: list[str], services: list[str] | None = None) -> dict[str, object]:
+    """Only the slot's own subjects, streams, consumers and inbox; replies to requests it receives.
+
+    `services` are subjects of course services inside the slot's names (e.g. its gateway's):
+    denied, so a learner cannot speak for the service (deny wins over allow).
+    """
     prefix = slot_prefix(slot)
     allow = [f"{prefix}.>", "$JS.API.INFO"]
     for name in streams:
@@ -135,8 +153,9 @@ def slot_permissions(slot: int, streams: list[str]) -> dict[str, object]:
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
             f"$JS.ACK.{stream}.>",
         ]
+    deny = [f"{prefix}.{subject}" for subject in services or () if not subject.startswith("$")]
     return {
-        "publish": {"allow": allow},
+        "publish": {"allow": allow, "deny": deny},
         "subscribe": {"allow": [f"{prefix}.>", f"_INBOX_{prefix}.>"]},
         "allow_responses": True,
     }
@@ -151,13 +170,13 @@ class SharedUsers:
 
     def config(self) -> str:
         users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
-        streams = course_streams()
+        streams, services = course_streams(), course_service_subjects()
         for slot in range(1, self.slots + 1):
             users.append(
                 {
                     "user": f"slot{slot:02d}",
                     "password": slot_password(self.admin_password, slot),
-                    "permissions": slot_permissions(slot, streams),
+                    "permissions": slot_permissions(slot, streams, services),
                 }
             )
         return "authorization " + json.dumps({"users": users}, indent=2) + "\n"
