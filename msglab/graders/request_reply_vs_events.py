@@ -390,6 +390,7 @@ class Shop:
         self.inventory_sub: Any = None
         self.loyalty_sub: Any = None
         self.task: asyncio.Task[None] | None = None
+        self.stopping = False
 
     async def start(self) -> None:
         nc, names = self.run.nc, self.run.names
@@ -411,9 +412,12 @@ class Shop:
         self.run.log.record("note", "inventory_up", None, role="inventory")
 
     async def stop(self) -> None:
+        # nats-py's fetch can swallow a cancellation, so the loop also checks a flag and the
+        # wait is bounded: a grader must never hang on its own service.
+        self.stopping = True
         if self.task is not None:
             self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await asyncio.wait({self.task}, timeout=2.0)
 
     async def _inventory(self, msg: Any) -> None:
         sku = _sku(msg.data)
@@ -441,7 +445,7 @@ class Shop:
 
     async def _consume(self, sub: Any) -> None:
         # The loyalty service reads every order event from its own durable and acks each once done.
-        while True:
+        while not self.stopping:
             try:
                 msgs = await sub.fetch(50, timeout=0.2)
             except TimeoutError:

@@ -101,7 +101,7 @@ async def _run(grader: Any, grader_name: str, path: str, seed: int, verdict: Ver
     async with Run(grader_name, path, seed) as run:
         verdict.server = run.server_description
         try:
-            checks = await asyncio.wait_for(grader.grade(run), GRADE_TIMEOUT)
+            checks = await _within(grader.grade(run), GRADE_TIMEOUT)
             # Rules 1 and 3 hold for every lab: planned faults fired, no process died on its own.
             named = {check.name for check in checks}
             checks += [c for c in (run.faults_check(), run.deaths_check()) if c.name not in named]
@@ -128,6 +128,22 @@ async def _run(grader: Any, grader_name: str, path: str, seed: int, verdict: Ver
                       hint="look for a loop in your code that never awaits anything, or a call that blocks")
             ]  # fmt: skip
         verdict.output = run.output_tail()
+
+
+async def _within(work: Any, timeout: float) -> Any:
+    """Await work with a deadline; on a timeout, say where the grader was waiting (on stderr), then raise."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if task in done:
+        return task.result()
+    import io
+    import sys
+
+    where = io.StringIO()
+    task.print_stack(file=where)
+    print(f"msglab: the grader was still waiting after {timeout:.0f} s:\n{where.getvalue()}", file=sys.stderr)
+    task.cancel()
+    raise TimeoutError
 
 
 def _short(path: str) -> str:

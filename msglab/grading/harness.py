@@ -344,7 +344,8 @@ class Run:
                 child._fx_writer.close()
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=2.0)  # bounded: clean-up must never hang a verdict
         if self.names.prefix and self.js is not None:
             with contextlib.suppress(Exception):
                 await delete_streams(self.js, self.names.stream(""))
