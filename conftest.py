@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     module is one group, so only one set of spinners runs; the browser and JupyterLab tests
     each share a worker with their module.
     """
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers only
         return
     for item in items:
         path = Path(str(item.fspath))

@@ -1,19 +1,20 @@
 """Lab 02: an invoice worker that never loses an invoice.
 
-Every order needs its invoice: a lost one is revenue nobody collects. Invoice requests wait on
-a durable consumer; your worker takes them one by one, sends each invoice and acks. The grader
-SIGKILLs the worker at the worst moments (before the invoice goes out, between the invoice and
-the ack, right after the ack) and starts it again: nothing may be lost, and an invoice may go
-out twice only where a crash fell between sending it and acking it.
+Every order needs its invoice: a lost one is revenue nobody collects, a second one is a customer
+on the phone. Invoice requests wait on a durable consumer; your worker takes them, asks the
+invoicing service to issue each invoice, and tells the broker and the billing dashboard when a
+request is done. The grader kills the worker (SIGKILL) at the worst moments and starts it again,
+and the invoicing service does not always say yes.
 
-What the grader (or the lab notebook) hands you in `env`:
-  env.js                       a JetStream context (env.nc is its connection)
-  env.stream("BILLING")        the stream of invoice requests (it exists already)
-  env.durable("invoicer")      your durable consumer on it (it exists already; ack_wait 0.5 s)
-  await env.send_invoice(oid)  sends the invoice for order oid; sometimes raises env.TransientError
-                               (the invoicing service is busy: the same call succeeds later)
-  env.settled(oid)             tells the billing dashboard the request is finished; call it
-                               right after the broker has confirmed your ack, never before
+What your worker is handed in `env` (by the grader, or by the lab notebook):
+  env.js                         a JetStream context (env.nc is its connection)
+  env.stream("BILLING")          the stream of invoice requests (it exists already)
+  env.durable("invoicer")        your durable consumer on it (it exists already; ack_wait 0.4 s)
+  await env.send_invoice(oid)    asks the invoicing service to issue the invoice for order oid;
+                                 when it does not, it raises env.ServiceUnavailable or
+                                 env.AccountClosed (both subclasses of env.InvoicingError)
+  env.settled(oid)               the billing dashboard counts oid's invoice as done
+  env.reject(oid, reason)        hands oid to the billing team: it can never be invoiced, and why
 
 Check your work:  msglab check 02   (or run the last cell of lab.ipynb)
 """
@@ -25,7 +26,7 @@ NEITHER = "neither"  # can lose a message, and can also process one twice
 
 # Which guarantee does each worker in workers.py give the invoice? One of the four names above.
 GUARANTEES = {
-    # TODO: Replace each None with what that worker gives: AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE or NEITHER.
+    # TODO: Replace each None with the guarantee that worker gives: AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE or NEITHER.
     "core_subscriber": None,
     "ack_then_work": None,
     "work_then_ack": None,
@@ -39,13 +40,15 @@ async def invoice_worker(env) -> None:
     sub = await env.js.pull_subscribe_bind(env.durable("invoicer"), env.stream("BILLING"))
     while True:
         try:
-            msgs = await sub.fetch(batch=1, timeout=1)
+            msgs = await sub.fetch(batch=1, timeout=0.25)
         except TimeoutError:  # nothing to do yet: ask again
             continue
         for msg in msgs:
             order_id = json.loads(msg.data)["order_id"]
-            # TODO: Send the invoice first and ack after it, with ack_sync so the server has the ack before env.settled.
-            # TODO: When send_invoice raises env.TransientError, nak the message so it comes back, and skip the rest.
-            await msg.ack()
+            # TODO: No invoice may be lost, whichever line the process is killed on.
+            # TODO: The billing dashboard must never count a request the broker could still redeliver.
+            # TODO: When the invoicing service fails, read its error: a request it can take later must come back until it is invoiced.
+            # TODO: A request it will never take must be reported to the billing team, and must then stop coming back.
+            await msg.ack()  # ack first, so a slow invoice is never delivered twice
             await env.send_invoice(order_id)
             env.settled(order_id)

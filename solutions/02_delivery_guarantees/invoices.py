@@ -1,19 +1,20 @@
 """Lab 02: an invoice worker that never loses an invoice.
 
-Every order needs its invoice: a lost one is revenue nobody collects. Invoice requests wait on
-a durable consumer; your worker takes them one by one, sends each invoice and acks. The grader
-SIGKILLs the worker at the worst moments (before the invoice goes out, between the invoice and
-the ack, right after the ack) and starts it again: nothing may be lost, and an invoice may go
-out twice only where a crash fell between sending it and acking it.
+Every order needs its invoice: a lost one is revenue nobody collects, a second one is a customer
+on the phone. Invoice requests wait on a durable consumer; your worker takes them, asks the
+invoicing service to issue each invoice, and tells the broker and the billing dashboard when a
+request is done. The grader kills the worker (SIGKILL) at the worst moments and starts it again,
+and the invoicing service does not always say yes.
 
-What the grader (or the lab notebook) hands you in `env`:
-  env.js                       a JetStream context (env.nc is its connection)
-  env.stream("BILLING")        the stream of invoice requests (it exists already)
-  env.durable("invoicer")      your durable consumer on it (it exists already; ack_wait 0.5 s)
-  await env.send_invoice(oid)  sends the invoice for order oid; sometimes raises env.TransientError
-                               (the invoicing service is busy: the same call succeeds later)
-  env.settled(oid)             tells the billing dashboard the request is finished; call it
-                               right after the broker has confirmed your ack, never before
+What your worker is handed in `env` (by the grader, or by the lab notebook):
+  env.js                         a JetStream context (env.nc is its connection)
+  env.stream("BILLING")          the stream of invoice requests (it exists already)
+  env.durable("invoicer")        your durable consumer on it (it exists already; ack_wait 0.4 s)
+  await env.send_invoice(oid)    asks the invoicing service to issue the invoice for order oid;
+                                 when it does not, it raises env.ServiceUnavailable or
+                                 env.AccountClosed (both subclasses of env.InvoicingError)
+  env.settled(oid)               the billing dashboard counts oid's invoice as done
+  env.reject(oid, reason)        hands oid to the billing team: it can never be invoiced, and why
 
 Check your work:  msglab check 02   (or run the last cell of lab.ipynb)
 """
@@ -25,12 +26,11 @@ NEITHER = "neither"  # can lose a message, and can also process one twice
 
 # Which guarantee does each worker in workers.py give the invoice? One of the four names above.
 GUARANTEES = {
-    # TODO: Replace each None with what that worker gives: AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE or NEITHER.
-    "core_subscriber": AT_MOST_ONCE,
-    "ack_then_work": AT_MOST_ONCE,
-    "work_then_ack": AT_LEAST_ONCE,
-    "ack_in_finally": NEITHER,
-    "dedup_then_ack": EFFECTIVELY_ONCE,
+    "core_subscriber": AT_MOST_ONCE,  # nothing keeps a core NATS message for a worker that is down
+    "ack_then_work": AT_MOST_ONCE,  # a kill between the ack and the charge loses the invoice
+    "work_then_ack": AT_LEAST_ONCE,  # a kill between the charge and the ack charges it again
+    "ack_in_finally": NEITHER,  # a failed charge is acked anyway (lost), a kill before the ack redoes it
+    "dedup_then_ack": EFFECTIVELY_ONCE,  # redelivered, but the processed row makes the second time a no-op
 }
 
 
@@ -39,17 +39,29 @@ async def invoice_worker(env) -> None:
     sub = await env.js.pull_subscribe_bind(env.durable("invoicer"), env.stream("BILLING"))
     while True:
         try:
-            msgs = await sub.fetch(batch=1, timeout=1)
-        except TimeoutError:  # nothing to do yet: ask again
+            msgs = await sub.fetch(batch=1, timeout=0.25)
+        except TimeoutError:  # nothing to do yet: ask again (returning here would stop all invoicing)
             continue
         for msg in msgs:
-            order_id = json.loads(msg.data)["order_id"]
-            # TODO: Send the invoice first and ack after it, with ack_sync so the server has the ack before env.settled.
-            # TODO: When send_invoice raises env.TransientError, nak the message so it comes back, and skip the rest.
-            try:
-                await env.send_invoice(order_id)
-            except env.TransientError:
-                await msg.nak()  # redelivered at once; the busy service will most likely take it then
-                continue
-            await msg.ack_sync()  # returns once the server has the ack, so settled below is true
-            env.settled(order_id)
+            await handle(env, msg)
+
+
+async def handle(env, msg) -> None:
+    order_id = json.loads(msg.data)["order_id"]
+    try:
+        await env.send_invoice(order_id)
+    except env.ServiceUnavailable:
+        # The service cannot take it *now*; the same request will go through later. No ack: after
+        # ack_wait the broker delivers it again. Acking here would lose the invoice for good.
+        return
+    except env.AccountClosed as err:
+        # No retry can ever issue this invoice: hand it to people, then ack so it stops coming back.
+        # Report first: a kill between the two lines then brings the request back to be reported,
+        # instead of leaving it acked and unreported.
+        env.reject(order_id, str(err))
+        await msg.ack_sync()
+        return
+    # The invoice is out. A kill before the ack reaches the broker means a redelivery and a second
+    # invoice: that is at-least-once's price, and the reason to ack right away.
+    await msg.ack_sync()  # returns once the server has recorded the ack; msg.ack() only queues it
+    env.settled(order_id)  # so the dashboard never counts a request the broker could still redeliver

@@ -1,0 +1,39 @@
+"""Wrong variant: a retry budget instead of a judgement: any failure is retried until the third
+delivery, then terminated without a report (what max_deliver=3 would do). The closed account is
+tried three times and never reported; a request the service is restarting for is still failing
+on its third delivery (about 1 s after the first), and is lost.
+
+Expect: fail no_lost_invoices, refused_requests_reported
+"""
+
+import json
+
+AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE = "at-most-once", "at-least-once", "effectively-once"
+NEITHER = "neither"
+
+GUARANTEES = {
+    "core_subscriber": AT_MOST_ONCE,
+    "ack_then_work": AT_MOST_ONCE,
+    "work_then_ack": AT_LEAST_ONCE,
+    "ack_in_finally": NEITHER,
+    "dedup_then_ack": EFFECTIVELY_ONCE,
+}
+
+
+async def invoice_worker(env) -> None:
+    sub = await env.js.pull_subscribe_bind(env.durable("invoicer"), env.stream("BILLING"))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            order_id = json.loads(msg.data)["order_id"]
+            try:
+                await env.send_invoice(order_id)
+            except env.InvoicingError:
+                if msg.metadata.num_delivered >= 3:
+                    await msg.term()  # enough tries
+                continue
+            await msg.ack_sync()
+            env.settled(order_id)
