@@ -1,35 +1,67 @@
 # Two commands: `make lab` opens the course, `make test` runs every test. Both create or update
-# .venv first (it is rebuilt only when pyproject.toml changes).
+# .venv first: `make lab` installs the runtime alone (what a learner needs), `make test` adds the
+# developer extras. A stamp per step: neither reinstalls unless pyproject.toml changed.
+#
+# Offline (a room without internet): `make wheelhouse` on a connected machine writes var/wheelhouse/;
+# copy it to each machine, then `make lab WHEELHOUSE=path/to/wheelhouse` installs from it alone.
 
 # The first interpreter that is Python 3.11 or newer.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; done)
-VENV  := .venv
-BIN   := $(VENV)/bin
-STAMP := $(VENV)/.msglab-installed
+VENV    := .venv
+BIN     := $(VENV)/bin
+RUNTIME := $(VENV)/.msglab-runtime
+DEV     := $(VENV)/.msglab-dev
+WHEELHOUSE ?=
+PIP     := $(BIN)/python -m pip install --quiet --disable-pip-version-check \
+	$(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
+OUT     ?= var/learner-edition
+WHEELS  ?= var/wheelhouse
 
-.PHONY: lab test bench venv clean
+.PHONY: lab test bench venv wheelhouse release clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	@if [ -z "$(PYTHON)" ]; then echo "msglab needs Python 3.11 or newer; found: $$(python3 --version 2>&1)"; exit 2; fi
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PIP) -e .
 	@touch $@
 
-venv: $(STAMP)
+$(DEV): $(RUNTIME)
+	$(PIP) -e '.[dev]'
+	@touch $@
 
-lab: venv
+venv: $(RUNTIME)
+
+lab: $(RUNTIME)
 	$(BIN)/msglab lab
 
 # Static checks first (seconds), then every test and notebook against real servers.
-test: venv
+test: $(DEV)
 	$(BIN)/ruff check msglab tests scripts
 	$(BIN)/ruff format --check msglab tests scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
-bench: venv
+bench: $(DEV)
 	$(BIN)/python scripts/bench.py
+
+# Every wheel `make lab` needs, plus setuptools and wheel to install the course from them, built for
+# this machine's platform and Python. For another room's, name it (wheels only, no builds):
+# `make wheelhouse WHEEL_PLATFORM=macosx_11_0_arm64 WHEEL_PYTHON=3.12`.
+DEPENDENCIES = $$($(BIN)/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+wheelhouse: $(RUNTIME)
+	@mkdir -p $(WHEELS)
+	$(if $(WHEEL_PLATFORM),\
+	$(BIN)/python -m pip download --quiet --disable-pip-version-check --dest $(WHEELS) --only-binary=:all: \
+		--platform $(WHEEL_PLATFORM) $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON)) \
+		$(DEPENDENCIES) "setuptools>=68" wheel,\
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --wheel-dir $(WHEELS) \
+		$(DEPENDENCIES) "setuptools>=68" wheel)
+	@echo "$(WHEELS): $$(ls $(WHEELS) | wc -l) wheels, $$(du -sh $(WHEELS) | cut -f1); in the room: make lab WHEELHOUSE=$(WHEELS)"
+
+# The learner edition (no solutions/, no tests/): `make release OUT=../msglab-learners`.
+release: $(RUNTIME)
+	$(BIN)/msglab release --out $(OUT) --replace
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -210,6 +210,13 @@ def next_steps(lab: Lab, entry: LabRecord, verdict: Verdict) -> list[str]:
 
 
 def solution_pointer(lab: Lab, entry: LabRecord) -> str:
+    from msglab.classroom.edition import is_learner_edition
+
+    if is_learner_edition() or not lab.source(solution=True).is_file():
+        return (
+            f"{entry.failed_attempts} failed attempts so far: `msglab hint {lab.number}` opens the next hint; "
+            "your instructor has the reference solution"
+        )
     where = lab.source(solution=True).relative_to(course_root()).as_posix()
     return (
         f"{entry.failed_attempts} failed attempts so far: the reference solution is {where} "

@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--port", type=int, default=None, help="JupyterLab port (default: 8888, or a free one)")
     lab.add_argument("--no-browser", action="store_true", help="do not try to open a browser")
     lab.set_defaults(func=_lab)
+    from msglab.classroom.commands import register
+
+    register(sub)  # release, grade, classroom serve|status|autograder, join
     return parser
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -17,13 +18,38 @@ from msglab.errors import MsglabError
 Probe = Callable[[], tuple[bool, str, str]]
 
 
+TESTED_PYTHONS = ((3, 11), (3, 12), (3, 13))  # the test suite grades every lab on each of these
+
+
 def _python() -> tuple[bool, str, str]:
     version = ".".join(map(str, sys.version_info[:3]))
-    return (
-        sys.version_info >= (3, 11),
-        f"Python {version} at {sys.executable}",
-        "install Python 3.11 or newer, then `make lab`",
-    )
+    seen = f"Python {version} at {sys.executable}"
+    if sys.version_info[:2] > TESTED_PYTHONS[-1]:
+        newest = ".".join(map(str, TESTED_PYTHONS[-1]))
+        seen += f" (newer than the versions the course is tested on, 3.11 to {newest})"
+    return sys.version_info >= (3, 11), seen, "install Python 3.11 or newer, then `make lab`"
+
+
+def platform_support(system: str | None = None, release: str | None = None) -> tuple[bool, str, str]:
+    """Linux and macOS natively; Windows through WSL2 (graders kill process groups with SIGKILL)."""
+    system = system or platform.system()
+    release = (release if release is not None else platform.release()).lower()
+    wsl = "run the course inside WSL2 (Windows Subsystem for Linux 2): `wsl --install`, then follow the README there"
+    if system == "Linux" and "microsoft" in release:
+        if "wsl2" in release or "microsoft-standard" in release:
+            return True, f"Linux under WSL2 ({release}): supported", ""
+        return False, f"Linux under WSL1 ({release}): not supported (no real process groups and signals)", wsl
+    if system == "Linux":
+        return True, f"Linux {release}: supported", ""
+    if system == "Darwin":
+        return True, f"macOS (Darwin {release}): supported", ""
+    if system == "Windows" or system.startswith(("CYGWIN", "MSYS", "MINGW")):
+        return False, f"{system}: not supported natively (the graders use SIGKILL and process groups)", wsl
+    return False, f"{system} {release}: not a platform the course supports (Linux, macOS, Windows via WSL2)", wsl
+
+
+def _platform() -> tuple[bool, str, str]:
+    return platform_support()
 
 
 def _packages() -> tuple[bool, str, str]:
@@ -71,6 +97,10 @@ def _embedded() -> tuple[bool, str, str]:
 def _nats_url() -> tuple[bool, str, str]:
     url = os.environ.get("NATS_URL")
     if not url:
+        from msglab.classroom.join import joined_url
+
+        if joined_url():
+            return True, "NATS_URL is not set: lessons and lab notebooks use your classroom account (see below)", ""
         return True, "NATS_URL is not set: lessons and labs use the built-in server", ""
     from msglab.broker import connect_js
 
@@ -93,6 +123,32 @@ def _nats_url() -> tuple[bool, str, str]:
             "start that server with -js (JetStream)",
         )
     return True, f"NATS_URL={url}: nats-server {version} with JetStream", ""
+
+
+def _classroom() -> tuple[bool, str, str]:
+    from msglab.classroom.join import joined_url, state_file
+
+    url = joined_url()
+    if not url:
+        return True, "not joined to a classroom server (`msglab join` when your instructor runs one)", ""
+    if os.environ.get("NATS_URL"):
+        return True, f"joined {url.split('@')[-1]}, but NATS_URL is set and wins", ""
+    from msglab.broker import connect_js
+
+    async def use() -> str:
+        nc, js = await connect_js(url, max_reconnect_attempts=0)
+        try:
+            info = await js.account_info()
+            return f"{info.streams} stream(s), {info.storage >> 10} KiB of {info.limits.max_storage >> 20} MiB used"
+        finally:
+            await nc.close()
+
+    try:
+        seen = asyncio.run(use())
+    except Exception as exc:
+        return (False, f"joined {url.split('@')[-1]}, which does not answer: {str(exc).splitlines()[0]}",
+                f"is the classroom server running? `msglab join --leave` forgets it ({state_file()})")  # fmt: skip
+    return True, f"your classroom account at {url.split('@')[-1]}: {seen}", ""
 
 
 def _labs() -> tuple[bool, str, str]:
@@ -123,11 +179,13 @@ def _notebooks() -> tuple[bool, str, str]:
 
 
 PROBES: list[tuple[str, Probe]] = [
+    ("platform", _platform),
     ("python", _python),
     ("packages", _packages),
     ("server binary", _binary),
     ("embedded server", _embedded),
     ("NATS_URL", _nats_url),
+    ("classroom", _classroom),
     ("labs", _labs),
     ("notebooks", _notebooks),
 ]

@@ -281,7 +281,9 @@ def run_lab(port: int | None, open_browser: bool) -> int:
     stop_signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     previous = {sig: signal.signal(sig, _raise_on_signal) for sig in stop_signals}
     try:
-        user_url = os.environ.get("NATS_URL")
+        from msglab.classroom.join import joined_url
+
+        user_url = os.environ.get("NATS_URL") or joined_url()  # a classroom account from `msglab join`
         if user_url:
             version = os.environ.get("MSGLAB_SERVER_VERSION") or _nats_version(user_url)
             binary = os.environ.get("MSGLAB_SERVER_BINARY")

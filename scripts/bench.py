@@ -7,7 +7,10 @@ Measures, each as the median of several runs:
     (`python -m msglab check`, a fresh subprocess with its own server and random faults), and its ratio to the floor;
   * every lesson executed headless (nbclient) with the environment `make lab` gives kernels;
   * `import msglab` and the check path's imports, and whether Jupyter, ipywidgets, matplotlib or
-    rfc3987_syntax are imported on the check path (they must not be).
+    rfc3987_syntax are imported on the check path (they must not be);
+  * a generated class of 30 learners (solutions, starters, wrong and right variants, a broken file,
+    missing files) graded by `msglab grade` over every lab: the class time (goal 3 minutes) and the
+    CPU per verdict (goal 0.5 s), measured in the workers and for the whole run.
 Prints a table (rows over the goal are flagged) and writes var/bench.json.
 Exit code: 1 if a heavy module is imported on the check path, else 0 (timings are reported, never fatal).
 """
@@ -32,11 +35,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without relying on the editable install
 
+from msglab.broker.server import EmbeddedServer  # noqa: E402
 from msglab.catalog import all_labs  # noqa: E402
 from msglab.jupyter import lab_env  # noqa: E402
-from msglab.broker.server import EmbeddedServer  # noqa: E402
 
 VERDICT_GOAL = 1.5  # seconds, median `msglab check` for every lab
+CLASS_GOAL = 180.0  # seconds, `msglab grade` of 30 learners x every lab
+CPU_GOAL = 0.5  # CPU seconds per verdict (grader, server, fork server, learner processes)
 LESSON_GOAL = 30.0  # seconds, each lesson executed headless
 HEAVY = ("jupyter", "ipywidgets", "matplotlib", "rfc3987_syntax", "IPython", "ipykernel")  # import-name prefixes
 
@@ -179,6 +184,56 @@ def bench_lessons(runs: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_class(learners: int, jobs: list[int]) -> dict[str, Any]:
+    """`msglab grade` of a generated class, on a copy of the course (with [points] where lab.toml has none yet)."""
+    from msglab.classroom import sample
+    from msglab.classroom.gradebook import grade_class
+
+    runs = []
+    saved = os.environ.get("MSGLAB_ROOT")
+    with tempfile.TemporaryDirectory(prefix="msglab-bench-class-") as tmp:
+        course = sample.copy_course(Path(tmp) / "course", root=ROOT)
+        declared = sample.declare_points(course)
+        os.environ["MSGLAB_ROOT"] = str(course)
+        try:
+            sample.make_class(Path(tmp) / "class", learners)
+            for count in jobs:
+                _progress(f"class of {learners}, {count} jobs")
+                cpu, started = _own_and_children_cpu(), time.perf_counter()
+                result = grade_class(Path(tmp) / "class", out=Path(tmp) / f"out-{count}", jobs=count, progress=False)
+                seconds, cpu = time.perf_counter() - started, _own_and_children_cpu() - cpu
+                graded = result.graded
+                labs: dict[str, dict[str, Any]] = {}
+                for row in graded:
+                    lab = labs.setdefault(row.lab.name, {"verdicts": 0, "seconds": [], "cpu": [], "passed": 0})
+                    lab["verdicts"] += 1
+                    lab["seconds"].append(row.seconds)
+                    lab["cpu"].append(row.cpu)
+                    lab["passed"] += bool(row.result and row.result.passed)
+                for lab in labs.values():
+                    lab.update(seconds=_stats(lab["seconds"]), cpu=statistics.mean(lab["cpu"]))
+                runs.append({
+                    "jobs": count, "seconds": seconds, "verdicts": len(graded), "rows": len(result.rows),
+                    "cpu_total": cpu, "cpu_per_verdict": cpu / max(1, len(graded)),
+                    "cpu_per_verdict_in_workers": result.cpu_per_verdict(), "startup_cpu": result.startup_cpu,
+                    "grader_errors": len(result.errors), "labs": labs,
+                    "class_over_goal": seconds > CLASS_GOAL * learners / 30,
+                    "cpu_over_goal": cpu / max(1, len(graded)) > CPU_GOAL,
+                })  # fmt: skip
+                _progress(f"class of {learners}, {count} jobs: {seconds:.0f} s, {cpu / max(1, len(graded)):.2f} s CPU")
+        finally:
+            if saved is None:
+                os.environ.pop("MSGLAB_ROOT", None)
+            else:
+                os.environ["MSGLAB_ROOT"] = saved
+    return {"learners": learners, "points_declared_for": declared, "runs": runs}
+
+
+def _own_and_children_cpu() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime + _children_cpu()
+
+
 def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)  # tracebacks arrive coloured
 
@@ -256,6 +311,25 @@ def render(result: dict[str, Any]) -> str:
             out.append(f"  {r['lesson']:<40} {r['median']:8.1f} {r['code_cells']:>6}  {status}{flag}")
     elif "lessons" in result["sections"]:
         out.append("\nLessons: none in lessons/ yet")
+    if result.get("class"):
+        c = result["class"]
+        out.append(f"\nA class graded: `msglab grade`, {c['learners']} learners x every lab (solutions, starters, "
+                   f"wrong and right variants, broken and missing files; goals: <= {CLASS_GOAL:.0f} s for 30, "
+                   f"<= {CPU_GOAL:.1f} s CPU per verdict)")  # fmt: skip
+        if c["points_declared_for"]:
+            out.append(f"  ([points] added for the run to {', '.join(c['points_declared_for'])}: their lab.toml "
+                       "declares no checks yet)")  # fmt: skip
+        for run in c["runs"]:
+            time_flag = " (OVER GOAL)" if run["class_over_goal"] else ""
+            cpu_flag = " (OVER GOAL)" if run["cpu_over_goal"] else ""
+            out.append(f"  {run['jobs']} jobs: {run['verdicts']} verdicts in {run['seconds']:.0f} s{time_flag}; "
+                       f"CPU per verdict {run['cpu_per_verdict']:.2f} s{cpu_flag} (whole run, workers' start-up "
+                       f"included; {run['cpu_per_verdict_in_workers']:.2f} s inside the workers), "
+                       f"{run['grader_errors']} grader errors")  # fmt: skip
+            for name, lab in run["labs"].items():
+                times = lab["seconds"]
+                out.append(f"      {name:<28} {lab['verdicts']:>3} verdicts  median {times['median']:5.2f} s  "
+                           f"max {times['max']:5.1f} s  CPU {lab['cpu']:.2f} s  passed {lab['passed']}")  # fmt: skip
     if result["imports"]:
         i = result["imports"]
         out.append(f"\nImports (median of {i['import_msglab']['runs']}, from python -X importtime)")
@@ -276,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="runs per median (server, checks, imports)")
     parser.add_argument("--lesson-runs", type=int, default=1, help="runs per lesson")
-    parser.add_argument("--only", default="labs,lessons,imports", help="comma list of: labs, lessons, imports")
+    parser.add_argument("--only", default="labs,lessons,imports,class",
+                        help="comma list of: labs, lessons, imports, class")  # fmt: skip
+    parser.add_argument("--class-learners", type=int, default=30, help="learners in the generated class")
+    parser.add_argument("--class-jobs", default="", help="comma list of job counts (default: msglab grade's)")
     parser.add_argument("--json", default=str(ROOT / "var" / "bench.json"), help="where to write the results")
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.only.split(",") if s.strip()}
@@ -284,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "load": " ".join(f"{x:.2f}" for x in os.getloadavg())},
-        "goals": {"verdict_median_s": VERDICT_GOAL, "lesson_s": LESSON_GOAL},
-        "sections": sorted(sections), "labs": [], "lessons": [], "imports": None,
+        "goals": {"verdict_median_s": VERDICT_GOAL, "lesson_s": LESSON_GOAL, "class_s": CLASS_GOAL,
+                  "cpu_per_verdict_s": CPU_GOAL},
+        "sections": sorted(sections), "labs": [], "lessons": [], "imports": None, "class": None,
     }  # fmt: skip
     _progress("floor and server")
     result["floor"] = bench_floor(args.runs)
@@ -296,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     if "imports" in sections:
         _progress("imports")
         result["imports"] = bench_imports(args.runs)
+    if "class" in sections:
+        from msglab.classroom.gradebook import default_jobs
+
+        jobs = [int(j) for j in args.class_jobs.split(",") if j.strip()] or [default_jobs()]
+        result["class"] = bench_class(args.class_learners, jobs)
     result["machine"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

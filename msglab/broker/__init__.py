@@ -2,13 +2,15 @@
 
 One rule everywhere: if NATS_URL is set, use that server and start nothing. Otherwise `make lab`
 has started one and put its address in NATS_URL for every notebook; a kernel started any other
-way (VS Code, plain `jupyter lab`) gets its own on demand, stopped when the kernel exits.
+way (VS Code, plain `jupyter lab`) uses the classroom account `msglab join` saved, if any, or else
+gets its own server on demand, stopped when the kernel exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +34,7 @@ class ServerInfo:
     def describe(self) -> str:
         version = f"nats-server {self.version}" if self.version else "nats-server (version unknown until connected)"
         binary = f", binary from {self.binary}" if self.binary else ""
-        return f"{version} at {self.url} ({self.origin}{binary})"
+        return f"{version} at {masked(self.url)} ({self.origin}{binary})"
 
 
 def server_info() -> ServerInfo:
@@ -46,9 +48,18 @@ def server_info() -> ServerInfo:
             os.environ.get("MSGLAB_SERVER_VERSION"),
             os.environ.get("MSGLAB_SERVER_BINARY"),
         )
+    joined = _joined_url()
+    if joined:
+        return ServerInfo(joined, "your classroom account, from `msglab join`", None, None)
     if _shared is None or _shared.proc is None or _shared.proc.poll() is not None:
         _shared = EmbeddedServer().start()
     return ServerInfo(_shared.url, "embedded (started by this process)", _shared.version, _shared.binary.source)
+
+
+def _joined_url() -> str | None:
+    from msglab.classroom.join import joined_url
+
+    return joined_url()
 
 
 def server_url() -> str:
@@ -126,3 +137,8 @@ async def settle_subscriptions(nc: Any) -> None:
     """
     await nc.flush()
     await nc.flush()
+
+
+def masked(url: str) -> str:
+    """The URL with its password hidden (a lesson's output may be on a projector)."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)

@@ -31,6 +31,10 @@ def new_seed() -> int:
 def grade(key: str, *, solution: bool = False, seed: int | None = None, source: str | Path | None = None) -> Verdict:
     """Grade lab `key` (the learner's file, the solution, or any `source` file) and return the verdict."""
     lab = find_lab(key)
+    if solution and source is None:
+        from msglab.classroom.edition import require_solution
+
+        require_solution(lab)  # the learner edition says plainly that it has none
     path = Path(source) if source else lab.source(solution)
     if not path.is_file():
         raise LabError(f"{path} does not exist", hint=f"the lab's file is {lab.folder / lab.file}")

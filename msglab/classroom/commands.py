@@ -1,0 +1,176 @@
+"""The classroom commands of `msglab`: release, grade, classroom serve|status|autograder, join.
+
+`register(subparsers)` adds them to the CLI's argparse subparsers (msglab.cli calls it). Each
+command returns its exit code; errors are MsglabError (the CLI prints them, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _release(args: argparse.Namespace) -> int:
+    from msglab.classroom.edition import build_edition
+
+    edition = build_edition(Path(args.out), replace=args.replace, git=not args.no_git)
+    labs = sorted({name.split("/")[1] for name in edition.files if name.startswith("labs/") and name.count("/") >= 2})
+    print(f"learner edition written to {edition.out}: {len(edition.files)} files, labs {', '.join(labs)}")
+    print("  left out: solutions/, tests/, scripts/, .ci/, docs/instructors.md (and everything git ignores)")
+    if edition.commit:
+        print(f"  a git repository of one commit ({edition.commit[:12]}): `msglab reset NN` works in it")
+    for note in edition.readme_notes:
+        print(f"  note: the top README still mentions the solutions ({note.where}); a banner at its top says "
+              "this edition has none")  # fmt: skip
+    print("  hand it out as a folder, a zip, or a repository; learners run `make lab` in it")
+    return 0
+
+
+def _grade(args: argparse.Namespace) -> int:
+    from msglab.classroom.gradebook import grade_class, select_labs, summary_text
+
+    result = grade_class(
+        Path(args.submissions),
+        labs=select_labs(args.labs),
+        out=Path(args.out),
+        jobs=args.jobs,
+        salt=args.salt,
+        learners=[name.strip() for name in args.learners.split(",")] if args.learners else None,
+        progress=not args.no_progress,
+    )
+    print(summary_text(result))
+    if result.errors:
+        print(f"msglab: {len(result.errors)} verdict(s) failed inside the grader (the course's fault, not the "
+              "learners'): grade them again with --learners", file=sys.stderr)  # fmt: skip
+        return 2
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from msglab.classroom.server import Classroom, Limits, learner_names, start
+
+    limits = Limits(max_mem=args.max_mem << 20, max_file=args.max_file << 20, max_streams=args.max_streams,
+                    max_consumers=args.max_consumers)  # fmt: skip
+    classroom = Classroom.create(
+        Path(args.dir), learner_names(args.learners), limits=limits, host=args.host, port=args.port,
+        advertise=args.advertise or "", monitor_host=args.monitor_host, monitor_port=args.monitor_port,
+    )  # fmt: skip
+    server = start(classroom)
+    first = next(iter(classroom.learners))
+    print(f"msglab classroom: nats-server {server.version} with JetStream, {len(classroom.learners)} learner accounts")
+    print(f"  learners connect to: nats://{classroom.public_host}:{classroom.bound_port}"
+          f"   (listening on {classroom.host}:{classroom.bound_port})")  # fmt: skip
+    print(f"  per learner:  {limits.describe()}")
+    print(f"  hand out:     {classroom.folder / 'handout.csv'} (one URL with credentials per learner; "
+          f"{classroom.folder / 'learners'}/<name>.txt each)")  # fmt: skip
+    print(f"  e.g. {first}:  msglab join {classroom.learner_url(first)}")
+    print(f"  monitoring:   {classroom.monitor_url}/jsz?accounts=true   (instructor only: bound to "
+          f"{classroom.monitor_host})")  # fmt: skip
+    print(f"  status:       msglab classroom status --dir {args.dir}")
+    print(f"  Ctrl-C stops the server; streams stay in {classroom.folder / 'store'} for the next start.", flush=True)
+    try:
+        assert server.proc is not None
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from msglab.classroom.status import render, status
+
+    report = status(Path(args.dir), Path(args.gradebook) if args.gradebook else None,
+                    Path(args.verdicts) if args.verdicts else None)  # fmt: skip
+    print(render(report))
+    return 0
+
+
+def _autograder(args: argparse.Namespace) -> int:
+    from msglab.classroom.gradebook import select_labs
+    from msglab.classroom.gradescope import build_bundle, fetch_wheels, grader_requirements
+
+    labs = select_labs(args.labs)
+    wheels = Path(args.wheelhouse) if args.wheelhouse else None
+    if args.fetch_wheels:
+        wheels = fetch_wheels(Path(args.out) / "wheels", grader_requirements(), platform=args.platform)
+    archive = build_bundle(Path(args.out), labs, wheelhouse=wheels, visibility=args.visibility, salt=args.salt)
+    print(f"Gradescope autograder for labs {', '.join(lab.number for lab in labs)}: {archive}")
+    print("  upload it as the assignment's autograder (base image: Ubuntu 24.04); learners submit their lab files")
+    return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    from msglab.classroom.join import join, leave
+
+    if args.leave:
+        print(leave())
+        return 0
+    if not args.details:
+        from msglab.errors import MsglabError
+
+        raise MsglabError("msglab join needs the details your instructor handed out", hint="msglab join nats://...")
+    print(join(args.details, check=not args.no_check))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add release, grade, classroom (serve, status, autograder) and join to msglab's subparsers."""
+    release = subparsers.add_parser("release", help="write the learner edition: the course without its solutions")
+    release.add_argument("--out", required=True, help="the folder to write (new, or an earlier edition with --replace)")
+    release.add_argument("--replace", action="store_true", help="replace an earlier learner edition in --out")
+    release.add_argument("--no-git", action="store_true", help="do not make the edition a git repository")
+    release.set_defaults(func=_release)
+
+    grade = subparsers.add_parser("grade", help="grade every learner's every lab: gradebook, feedback, verdicts")
+    grade.add_argument("submissions", help="a folder with one folder per learner, or a platform's zip export")
+    grade.add_argument("--labs", help="the labs to grade, e.g. 01,02 (default: every lab)")
+    grade.add_argument(
+        "--out", default="grades", help="where the gradebook, feedback and verdicts go (default: grades)"
+    )
+    grade.add_argument("--jobs", type=int, default=None, help="verdicts graded at once (default: two per core)")
+    grade.add_argument("--salt", default="", help="mixed into every seed: learners cannot predict their faults")
+    grade.add_argument("--learners", help="grade only these learners (comma-separated ids)")
+    grade.add_argument("--no-progress", action="store_true", help="no progress bar")
+    grade.set_defaults(func=_grade)
+
+    classroom = subparsers.add_parser("classroom", help="a shared server for a workshop, its status, an autograder")
+    room = classroom.add_subparsers(dest="classroom_command", required=True)
+    serve = room.add_parser("serve", help="one nats-server for the room, one NATS account per learner")
+    serve.add_argument("--learners", required=True, help="a number (learner01..), names (alice,bob) or a roster file")
+    serve.add_argument("--dir", default="classroom", help="where passwords, handouts and streams live")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    serve.add_argument("--port", type=int, default=4222, help="client port (default 4222; 0: any free port)")
+    serve.add_argument("--advertise", help="the address learners use (default: this machine's room address)")
+    serve.add_argument("--monitor-host", default="127.0.0.1", help="monitoring address (default: this machine only)")
+    serve.add_argument("--monitor-port", type=int, default=8222, help="monitoring port (default 8222; 0: any)")
+    serve.add_argument("--max-mem", type=int, default=64, help="MiB of memory storage per learner (default 64)")
+    serve.add_argument("--max-file", type=int, default=512, help="MiB of file storage per learner (default 512)")
+    serve.add_argument("--max-streams", type=int, default=32, help="streams per learner (default 32)")
+    serve.add_argument("--max-consumers", type=int, default=64, help="consumers per stream (default 64)")
+    serve.set_defaults(func=_serve)
+    status = room.add_parser("status", help="learners, their streams, and the labs each has passed")
+    status.add_argument("--dir", default="classroom", help="the folder `classroom serve` used")
+    status.add_argument("--gradebook", help="a gradebook.csv from `msglab grade`")
+    status.add_argument("--verdicts", help="a folder of verdicts (one folder per learner, JSON files)")
+    status.set_defaults(func=_status)
+    autograder = room.add_parser("autograder", help="a Gradescope autograder zip (setup.sh, run_autograder)")
+    autograder.add_argument("--labs", help="the labs it grades, e.g. 01 (default: every lab)")
+    autograder.add_argument("--out", default="autograder", help="where to write autograder.zip")
+    autograder.add_argument("--wheelhouse", help="a folder of wheels to install from (an offline image build)")
+    autograder.add_argument("--fetch-wheels", action="store_true", help="download the grader's wheels into the bundle")
+    autograder.add_argument(
+        "--platform", default="manylinux_2_28_x86_64", help="the image's platform for --fetch-wheels"
+    )
+    autograder.add_argument("--visibility", default="visible", help="visible, hidden, after_due_date, after_published")
+    autograder.add_argument("--salt", default="", help="mixed into every seed (as `msglab grade --salt`)")
+    autograder.set_defaults(func=_autograder)
+
+    join = subparsers.add_parser("join", help="use your account on the classroom server (details from your instructor)")
+    join.add_argument("details", nargs="?", help="the nats:// URL handed out, or the file holding it")
+    join.add_argument("--leave", action="store_true", help="forget the classroom details")
+    join.add_argument("--no-check", action="store_true", help="save the details without trying them")
+    join.set_defaults(func=_join)

@@ -1,0 +1,137 @@
+"""`msglab join <details>`: use a classroom server's account for the lessons and lab notebooks.
+
+<details> is what the instructor handed out: the URL with credentials
+(nats://alice:...@10.0.0.5:4222), or the file holding it (learners/alice.txt, a JSON file with a
+"url"). `join` connects, makes sure JetStream answers on that account, and saves the URL in the
+course's state folder (`.msglab/classroom.json`, or MSGLAB_STATE_DIR; mode 0600).
+
+From then on `msglab.server_url()` (what lessons and lab notebooks connect to) uses it whenever
+NATS_URL is not set; NATS_URL still wins. `msglab check` grades on a fresh server of its own as
+always (set NATS_URL to grade on the room's server instead: names are then prefixed with a run id
+inside your account). `msglab join --leave` forgets the details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from msglab.errors import MsglabError
+
+FILE = "classroom.json"
+_URL = re.compile(r"\b(?:nats|tls)://\S+")
+
+
+def state_file() -> Path:
+    from msglab.catalog import course_root
+
+    env = os.environ.get("MSGLAB_STATE_DIR")
+    return (Path(env).resolve() if env else course_root() / ".msglab") / FILE
+
+
+def joined_url() -> str | None:
+    """The URL `msglab join` saved, or None (no join, or a file that cannot be read)."""
+    try:
+        data = json.loads(state_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    url = data.get("url") if isinstance(data, dict) else None
+    return url if isinstance(url, str) and url else None
+
+
+def parse_details(details: str) -> str:
+    """The URL in what the instructor handed out: the URL itself, or a file that holds it."""
+    text = details.strip()
+    path = Path(text).expanduser()
+    if not _URL.fullmatch(text) and path.is_file():
+        content = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(content)
+            if isinstance(data, dict) and isinstance(data.get("url"), str):
+                return str(data["url"])
+        except ValueError:
+            pass
+        match = _URL.search(content)
+        if not match:
+            raise MsglabError(f"{path} holds no nats:// URL", hint="ask your instructor for your classroom details")
+        return match.group(0)
+    if not _URL.fullmatch(text):
+        raise MsglabError(f"{details!r} is neither a nats:// URL nor a file",
+                          hint="msglab join nats://NAME:PASSWORD@HOST:4222 (as handed out)")  # fmt: skip
+    parts = urlsplit(text)
+    if not parts.username or not parts.password:
+        raise MsglabError("the URL holds no user and password", hint="use the whole URL your instructor handed out")
+    return text
+
+
+async def _try(url: str) -> dict[str, Any]:
+    import nats
+
+    from msglab.broker import probe
+
+    probe(url)  # nothing listening: ServerUnreachable, said plainly
+    errors: list[Exception] = []
+
+    async def quiet(exc: Exception) -> None:  # nats-py would print a traceback for each
+        errors.append(exc)
+
+    try:
+        nc = await asyncio.wait_for(nats.connect(url, name="msglab-join", allow_reconnect=False, connect_timeout=3,
+                                                 error_cb=quiet), 8)  # fmt: skip
+    except Exception as exc:
+        said = str(errors[0] if errors else exc).strip() or type(exc).__name__
+        hint = "copy the whole URL your instructor handed out, or ask for it again"
+        raise MsglabError(f"the classroom server at {url.split('@')[-1]} refused these details: {said}", hint) from exc
+    try:
+        info = await nc.jetstream().account_info()
+        version = nc.connected_server_version
+        return {"streams": info.streams, "limits": info.limits, "version": f"{version.major}.{version.minor}"}
+    finally:
+        await nc.close()
+
+
+def join(details: str, *, check: bool = True) -> str:
+    """Save the classroom details (after trying them when `check`); return what to tell the learner."""
+    url = parse_details(details)
+    told = ""
+    if check:
+        try:
+            seen = asyncio.run(_try(url))
+        except MsglabError:
+            raise
+        except Exception as exc:  # no JetStream on that account: nats' own errors
+            raise MsglabError(f"the classroom server at {url.split('@')[-1]} answered, but not as expected: {exc!r}",
+                              hint="check the details with your instructor") from exc  # fmt: skip
+        limits = seen["limits"]
+        told = (f"nats-server {seen['version']}, JetStream on; your account holds {seen['streams']} stream(s) "
+                f"(limits: {limits.max_storage >> 20} MiB storage, {limits.max_streams} streams)")  # fmt: skip
+    path = state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump({"url": url, "joined": datetime.now().isoformat(timespec="seconds")}, handle)
+    user = urlsplit(url).username
+    return "\n".join(
+        line
+        for line in (
+            f"joined the classroom server at {url.split('@')[-1]} as {user}",
+            f"  {told}" if told else "",
+            "  lessons and lab notebooks now use your account (NATS_URL, when set, still wins);",
+            "  `msglab join --leave` undoes this",
+        )
+        if line
+    )
+
+
+def leave() -> str:
+    path = state_file()
+    if not path.exists():
+        return "not joined to any classroom server"
+    path.unlink()
+    return "left the classroom server: lessons use the built-in server again"

@@ -1,0 +1,262 @@
+"""`msglab classroom serve`: one nats-server for a room, one NATS account per learner.
+
+The generated config (JSON, which nats-server reads as its own config syntax):
+
+    system_account: SYS
+    accounts {
+      SYS:   { users: [ {user: instructor, password: ...} ] }          # monitoring, `classroom status`
+      alice: { jetstream: {max_mem, max_file, max_streams, max_consumers},
+               users: [ {user: alice, password: ...} ] }               # one per learner
+    }
+    jetstream { max_mem, max_file }     # the learners' limits added up: every account's limits fit
+    http: "127.0.0.1:8222"              # monitoring, on this machine only unless --monitor-host
+
+What that guarantees (checked against the real server by tests/test_classroom.py): an account is
+a namespace of its own, so a learner's streams, consumers, subjects and reply inboxes are
+invisible to every other learner, and a lesson's fixed names (ORDERS, orders.placed) collide
+with nobody's; the config has no exports or imports between learner accounts. JetStream limits
+are per account (`max_consumers` per stream, as nats-server applies it): a learner over their
+storage gets "resource limits exceeded for account" on publish, and nobody else notices.
+
+The folder (default ./classroom, mode 0700) keeps everything: classroom.json (passwords, limits,
+where the server listens), server.conf, learners/<name>.txt and handout.csv (what to hand out),
+store/ (the streams, kept across restarts). Serving the same folder again keeps every learner's
+password, so details handed out stay valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from msglab.broker.users import with_credentials
+from msglab.errors import MsglabError
+
+MIB = 1 << 20
+SYSTEM = "SYS"
+INSTRUCTOR = "instructor"
+NAME_RULE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+RESERVED = {SYSTEM.lower(), INSTRUCTOR, "admin", "$g", "$sys", "grader", "learner"}
+STATE = "classroom.json"
+
+
+class ClassroomError(MsglabError):
+    """The classroom server cannot be set up as asked."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """JetStream limits of each learner's account."""
+
+    max_mem: int = 64 * MIB  # bytes of memory-storage streams
+    max_file: int = 512 * MIB  # bytes of file-storage streams
+    max_streams: int = 32
+    max_consumers: int = 64  # per stream: nats-server applies the account's max_consumers to each stream
+
+    def describe(self) -> str:
+        return (f"{self.max_mem // MIB} MiB memory, {self.max_file // MIB} MiB file storage, "
+                f"{self.max_streams} streams, {self.max_consumers} consumers per stream")  # fmt: skip
+
+
+def learner_names(spec: str) -> list[str]:
+    """`30` (learner01..learner30), `alice,bob`, or a file with one name a line."""
+    spec = spec.strip()
+    if spec.isdigit():
+        count = int(spec)
+        if not 1 <= count <= 500:
+            raise ClassroomError(f"--learners {count}: a classroom has 1 to 500 learners")
+        return [f"learner{i:02d}" for i in range(1, count + 1)]
+    path = Path(spec.removeprefix("@"))
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        names = [line.split("#", 1)[0].strip() for line in lines]
+    else:
+        names = [name.strip() for name in spec.split(",")]
+    names = [name for name in names if name]
+    bad = [name for name in names if not NAME_RULE.match(name) or name.lower() in RESERVED]
+    if bad:
+        raise ClassroomError(
+            f"learner names must start with a letter and hold only letters, digits, _ and - "
+            f"(and not be {', '.join(sorted(RESERVED))}): {', '.join(bad[:5])}",
+            hint="use ids such as alice, bob_k or s-1042",
+        )
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ClassroomError(f"learner names appear twice: {', '.join(duplicates)}")
+    if not names:
+        raise ClassroomError("no learner names given", hint="--learners 30, or --learners alice,bob")
+    return names
+
+
+def room_address() -> str:
+    """This machine's address as others in the room would use it (no packet is sent to find it)."""
+    try:
+        host = socket.gethostname()
+        for family, _, _, _, address in socket.getaddrinfo(host, None, socket.AF_INET):
+            ip = str(address[0])
+            if family == socket.AF_INET and not ip.startswith("127."):
+                return ip
+        return host
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass
+class Classroom:
+    """One room: its learners and their passwords, limits, and where the server listens."""
+
+    folder: Path
+    learners: dict[str, str]  # name -> password
+    instructor_password: str
+    limits: Limits = field(default_factory=Limits)
+    host: str = "0.0.0.0"
+    port: int = 4222  # 0: any free port
+    advertise: str = ""  # the address learners use; default: this machine's room address
+    monitor_host: str = "127.0.0.1"
+    monitor_port: int = 8222  # 0: any free port
+    bound_port: int = 0  # the port the running server listens on (set once started)
+    bound_monitor_port: int = 0
+
+    # --- the folder ---------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, folder: Path) -> Classroom:
+        path = folder / STATE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ClassroomError(f"{path} does not exist: no classroom was served from {folder}",
+                                 hint="start one with `msglab classroom serve --learners 30`") from exc  # fmt: skip
+        except (OSError, ValueError) as exc:
+            raise ClassroomError(f"{path} cannot be read: {exc}") from exc
+        data["folder"] = folder
+        data["limits"] = Limits(**data.get("limits", {}))
+        return cls(**data)
+
+    @classmethod
+    def create(cls, folder: Path, names: list[str], **options: Any) -> Classroom:
+        """A new classroom, or the one already in `folder` with these learners (old passwords kept)."""
+        passwords: dict[str, str] = {}
+        instructor = secrets.token_urlsafe(18)
+        if (folder / STATE).is_file():
+            old = cls.load(folder)
+            passwords, instructor = dict(old.learners), old.instructor_password
+        learners = {name: passwords.get(name) or secrets.token_urlsafe(12) for name in names}
+        return cls(folder, learners, instructor, **options)
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.chmod(0o700)  # passwords live here
+        data = asdict(self)
+        data.pop("folder")
+        _write_private(self.folder / STATE, json.dumps(data, indent=2) + "\n")
+        _write_private(self.folder / "server.conf", json.dumps(self.config(), indent=2) + "\n")
+
+    # --- the server's config ------------------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        limits = asdict(self.limits)
+        accounts: dict[str, Any] = {SYSTEM: {"users": [{"user": INSTRUCTOR, "password": self.instructor_password}]}}
+        for name, password in self.learners.items():
+            accounts[name] = {"jetstream": dict(limits), "users": [{"user": name, "password": password}]}
+        count = len(self.learners)
+        return {
+            "server_name": "msglab-classroom",
+            "system_account": SYSTEM,
+            "accounts": accounts,
+            # Room for every account's limits at once (nats-server refuses limits it could not honour).
+            "jetstream": {"max_mem": count * self.limits.max_mem, "max_file": count * self.limits.max_file},
+            "http": f"{self.monitor_host}:{self.monitor_port or -1}",
+        }
+
+    # --- addresses ----------------------------------------------------------------------------------
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise:
+            return self.advertise
+        return room_address() if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def _port(self) -> int:
+        return self.bound_port or self.port
+
+    def learner_url(self, name: str) -> str:
+        """What learner `name` gets: a URL with their credentials, at the address the room uses."""
+        return with_credentials(f"nats://{_bracket(self.public_host)}:{self._port()}", name, self.learners[name])
+
+    def local_url(self, user: str) -> str:
+        """A URL for `user` from this machine (the instructor's tools)."""
+        password = self.instructor_password if user == INSTRUCTOR else self.learners[user]
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return with_credentials(f"nats://{_bracket(host)}:{self._port()}", user, password)
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{_bracket(self.monitor_host)}:{self.bound_monitor_port or self.monitor_port}"
+
+    def write_handouts(self) -> Path:
+        """learners/<name>.txt (one per learner) and handout.csv (all of them); return the csv's path."""
+        folder = self.folder / "learners"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(mode=0o700)
+        rows = ["learner,url,command"]
+        for name in self.learners:
+            url = self.learner_url(name)
+            _write_private(
+                folder / f"{name}.txt",
+                f"msglab classroom account: {name}\n\n"
+                f"In the course folder, run:\n\n    msglab join {url}\n\n"
+                f"(or set NATS_URL={url} in the shell that runs the course)\n"
+                "Lessons, lab notebooks and `msglab check` then work on your own account of the room's server.\n",
+            )
+            rows.append(f"{name},{url},msglab join {url}")
+        _write_private(self.folder / "handout.csv", "\n".join(rows) + "\n")
+        return self.folder / "handout.csv"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    path.chmod(0o600)
+
+
+def start(classroom: Classroom) -> Any:
+    """Start the room's nats-server (an EmbeddedServer); the classroom learns its ports. Stop it with .stop()."""
+    from msglab.broker.server import EmbeddedServer
+
+    classroom.save()
+    store = classroom.folder / "store"
+    store.mkdir(mode=0o700, exist_ok=True)
+    total = classroom.limits.max_file * len(classroom.learners)
+    free = shutil.disk_usage(store).free
+    if total > free:
+        print(f"msglab: warning: the learners' storage limits add up to {total // MIB} MiB, "
+              f"{store} has {free // MIB} MiB free", flush=True)  # fmt: skip
+    # Flags given last win over the EmbeddedServer's own (-a, -p, -sd): the room's host, port and store.
+    args = ["-a", classroom.host, "-p", str(classroom.port or -1), "-sd", str(store)]
+    server = EmbeddedServer(config=str(classroom.folder / "server.conf"), extra_args=args, name="msglab-classroom")
+    server.start()
+    classroom.bound_port = int(server.port or 0)
+    classroom.bound_monitor_port = int(server.monitor_port or 0)
+    classroom.save()
+    classroom.write_handouts()
+    return server
+
+
+def joined_account(url: str) -> str:
+    """The user name in a URL (the learner's account name on a classroom server)."""
+    return urlsplit(url.split(",")[0].strip()).username or ""

@@ -1,0 +1,424 @@
+"""A classroom server: one account per learner, proven isolated on the real nats-server.
+
+From learner A's credentials every operation on learner B's streams, consumers, subjects, key-value
+bucket, acks and reply inboxes is tried; none may succeed. The same attacks between two users of
+one account (what a shared server without accounts is) mostly succeed: the attacks are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+from test_gradebook import CLI_DRIVER, cli
+
+from conftest import ROOT
+from msglab.broker.server import EmbeddedServer
+from msglab.classroom.server import MIB, Classroom, ClassroomError, Limits, learner_names, start
+from msglab.classroom.status import render, status
+
+LIMITS = Limits(max_mem=2 * MIB, max_file=4 * MIB, max_streams=12, max_consumers=16)
+
+
+@pytest.fixture
+def room(tmp_path: Path) -> Iterator[Classroom]:
+    """A classroom server for alice, bob and cy on 127.0.0.1 (any free ports), small limits."""
+    classroom = Classroom.create(tmp_path / "classroom", ["alice", "bob", "cy"], limits=LIMITS, host="127.0.0.1",
+                                 port=0, monitor_port=0)  # fmt: skip
+    server = start(classroom)
+    try:
+        yield classroom
+    finally:
+        server.stop()
+
+
+def test_learner_names_and_the_generated_config() -> None:
+    assert learner_names("3") == ["learner01", "learner02", "learner03"]
+    assert learner_names(" alice, bob ,cy") == ["alice", "bob", "cy"]
+    for bad in ("alice,alice", "SYS", "instructor", "a b", "1st", ""):
+        with pytest.raises(ClassroomError):
+            learner_names(bad)
+    classroom = Classroom(Path("/nonexistent"), {"alice": "p1", "bob": "p2"}, "ip", limits=LIMITS)
+    config = classroom.config()
+    assert config["system_account"] == "SYS"
+    assert set(config["accounts"]) == {"SYS", "alice", "bob"}
+    for name in ("alice", "bob"):
+        account = config["accounts"][name]
+        assert account["jetstream"] == {"max_mem": 2 * MIB, "max_file": 4 * MIB, "max_streams": 12,
+                                        "max_consumers": 16}  # fmt: skip
+        assert set(account) == {"jetstream", "users"}, "no exports or imports between learner accounts"
+    assert config["jetstream"] == {"max_mem": 4 * MIB, "max_file": 8 * MIB}  # every account's limits fit
+    assert config["http"] == "127.0.0.1:8222"  # monitoring stays on the instructor's machine
+
+
+def test_serving_the_same_folder_again_keeps_every_password(tmp_path: Path) -> None:
+    first = Classroom.create(tmp_path / "c", ["alice", "bob"])
+    first.save()
+    again = Classroom.create(tmp_path / "c", ["alice", "bob", "cy"])
+    assert again.learners["alice"] == first.learners["alice"] and again.learners["bob"] == first.learners["bob"]
+    assert again.instructor_password == first.instructor_password and again.learners["cy"]
+    assert oct((tmp_path / "c" / "classroom.json").stat().st_mode & 0o777) == "0o600"
+
+
+# --- isolation ---------------------------------------------------------------------------------
+
+
+class Victim:
+    """Learner B's world: a stream with messages, a durable holding a delivered message, a service, a bucket."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.secret = "b-secret-" + secrets.token_hex(4)
+        self.received: list[bytes] = []  # what reached B's own subscriptions
+
+    async def setup(self) -> None:
+        self.nc = await nats.connect(self.url, name="learner-b")
+        self.js = self.nc.jetstream()
+        await self.js.add_stream(name="ORDERS", subjects=["orders.>"])
+        for i in range(3):
+            await self.js.publish("orders.placed", f"{self.secret}-{i}".encode())
+        await self.js.add_consumer("ORDERS", ConsumerConfig(durable_name="email", ack_policy=AckPolicy.EXPLICIT,
+                                                            ack_wait=60))  # fmt: skip
+        self.pull = await self.js.pull_subscribe_bind("email", "ORDERS")
+        self.held = (await self.pull.fetch(1, timeout=2))[0]  # delivered to B, not acked yet
+        self.kv = await self.js.create_key_value(bucket="PROFILE")
+        await self.kv.put("card", f"{self.secret}-card".encode())
+
+        async def echo(msg: Any) -> None:
+            await msg.respond(f"{self.secret}-reply".encode())
+
+        async def keep(msg: Any) -> None:
+            self.received.append(msg.data)
+
+        await self.nc.subscribe("svc.echo", cb=echo)
+        await self.nc.subscribe("orders.>", cb=keep)
+        self.inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self.inbox, cb=keep)
+        await self.nc.flush()
+
+    async def traffic(self) -> None:
+        """What B does while A listens: publishes, requests, reads the bucket (what A destroyed fails: fine)."""
+        for step in (
+            lambda: self.js.publish("orders.placed", f"{self.secret}-later".encode()),
+            lambda: self.nc.request("svc.echo", b"ping", timeout=1),
+            lambda: self.kv.get("card"),
+            lambda: self.js.stream_info("ORDERS"),
+        ):
+            try:
+                await step()
+            except Exception:  # the control's A has deleted B's things
+                continue
+
+    async def snapshot(self) -> tuple[Any, ...]:
+        try:
+            return await self._snapshot()
+        except Exception as exc:  # something of B's is gone
+            return ("gone", repr(exc))
+
+    async def _snapshot(self) -> tuple[Any, ...]:
+        info = await self.js.stream_info("ORDERS")
+        consumer = await self.js.consumer_info("ORDERS", "email")
+        names = sorted(str(s.config.name) for s in await self.js.streams_info())
+        card = (await self.kv.get("card")).value
+        return (info.state.messages, info.state.last_seq, info.config.subjects, consumer.num_ack_pending,
+                consumer.num_pending, consumer.delivered.stream_seq, names, card, len(self.received))  # fmt: skip
+
+
+async def attack(url_a: str, victim: Victim) -> list[tuple[str, bool, str]]:
+    """Every operation A can try on B's things; (what, succeeded, what came back)."""
+    nc = await nats.connect(url_a, name="learner-a", max_reconnect_attempts=0)
+    js = nc.jetstream()
+    spied: list[bytes] = []
+
+    async def spy(msg: Any) -> None:
+        spied.append(msg.data + msg.subject.encode())
+
+    for subject in (">", "_INBOX.>", "orders.>", "$JS.>", "$KV.>"):
+        await nc.subscribe(subject, cb=spy)
+    answered: list[bytes] = []
+
+    async def impostor(msg: Any) -> None:  # A's own responder on B's service subject
+        answered.append(msg.data)
+        await msg.respond(b"from A")
+
+    await nc.subscribe("svc.echo", cb=impostor)
+    await nc.flush()
+    marker = b"from-learner-a"
+    outcomes: list[tuple[str, bool, str]] = []
+
+    async def attempt(what: str, operation: Callable[[], Awaitable[Any]], leaked: Callable[[Any], bool]) -> None:
+        before = await victim.snapshot()
+        try:
+            result: Any = await asyncio.wait_for(operation(), 2)
+            got = leaked(result) or victim.secret in repr(result)
+        except Exception as exc:  # refused, not found, no responders, timed out: it did not succeed
+            result, got = exc, False
+        await nc.flush()
+        await victim.nc.flush()
+        changed = await victim.snapshot() != before
+        outcomes.append((what, got or changed, repr(result)[:160]))
+
+    def returned(result: Any) -> bool:
+        return True  # reaching B's object at all is the success: A has none of that name
+
+    def mentions_b(result: Any) -> bool:
+        text = result.data.decode(errors="replace") if hasattr(result, "data") else repr(result)
+        return any(name in text for name in ("ORDERS", "PROFILE", '"email"', "learner-b", "bob"))
+
+    def request(subject: str, body: dict[str, Any] | None = None) -> Callable[[], Awaitable[Any]]:
+        return lambda: nc.request(subject, json.dumps(body or {}).encode(), timeout=1)
+
+    # read
+    await attempt("stream info", lambda: js.stream_info("ORDERS"), returned)
+    await attempt("get a message", lambda: js.get_msg("ORDERS", 1), returned)
+    await attempt("direct get", request("$JS.API.DIRECT.GET.ORDERS", {"seq": 1}), mentions_b)
+    await attempt("consumer info", lambda: js.consumer_info("ORDERS", "email"), returned)
+    await attempt("fetch from B's durable", lambda: _fetch_bound(js), returned)
+    await attempt("next message over the API", request("$JS.API.CONSUMER.MSG.NEXT.ORDERS.email", {"batch": 1}),
+                  mentions_b)  # fmt: skip
+    await attempt("read B's bucket", lambda: _kv_get(js), returned)
+    await attempt("list streams", lambda: js.streams_info(), lambda r: any(s.config.name == "ORDERS" for s in r))
+    await attempt("stream names over the API", request("$JS.API.STREAM.NAMES"), mentions_b)
+    await attempt("stream list over the API", request("$JS.API.STREAM.LIST"), mentions_b)
+    await attempt("consumer names over the API", request("$JS.API.CONSUMER.NAMES.ORDERS"), mentions_b)
+    await attempt("account info", lambda: js.account_info(), lambda r: r.streams > 0)
+    # publish
+    await attempt("core publish on B's subject", lambda: nc.publish("orders.placed", marker), lambda r: False)
+    await attempt("JetStream publish on B's subject", lambda: js.publish("orders.placed", marker), returned)
+    await attempt("request B's service", lambda: nc.request("svc.echo", marker, timeout=1), mentions_b)
+    await attempt("publish to B's inbox", lambda: nc.publish(victim.inbox, marker), lambda r: False)
+    await attempt("ack B's held message", lambda: nc.publish(victim.held.reply, b"+ACK"), lambda r: False)
+    await attempt("nak B's held message", lambda: nc.publish(victim.held.reply, b"-NAK"), lambda r: False)
+    await attempt("term B's held message", lambda: nc.publish(victim.held.reply, b"+TERM"), lambda r: False)
+    # create consumers
+    await attempt("durable on B's stream", lambda: js.add_consumer("ORDERS", ConsumerConfig(durable_name="spy")),
+                  returned)  # fmt: skip
+    await attempt("ephemeral on B's stream", request("$JS.API.CONSUMER.CREATE.ORDERS",
+                                                     {"stream_name": "ORDERS", "config": {"ack_policy": "none"}}),
+                  lambda r: "error" not in json.loads(r.data))  # fmt: skip
+    await attempt("update B's stream", request("$JS.API.STREAM.UPDATE.ORDERS",
+                                               {"name": "ORDERS", "subjects": ["orders.>", "spy.>"]}),
+                  lambda r: "error" not in json.loads(r.data))  # fmt: skip
+    # the system account's requests (account-scoped ones answer about A alone)
+    system = ("SERVER.PING.CONNZ", "ACCOUNT.PING.CONNZ", "SERVER.PING.JSZ", "ACCOUNT.bob.CONNZ", "ACCOUNT.bob.JSZ",
+              "ACCOUNT.PING.STATZ")  # fmt: skip
+    for subject in (f"$SYS.REQ.{name}" for name in system):
+        await attempt(f"system request {subject}", request(subject), mentions_b)
+    # delete and purge, last: when one succeeds (the control) it takes B's things with it
+    await attempt("delete a message", lambda: js.delete_msg("ORDERS", 2), returned)
+    await attempt("purge B's stream", lambda: js.purge_stream("ORDERS"), returned)
+    await attempt("delete B's durable", lambda: js.delete_consumer("ORDERS", "email"), returned)
+    await attempt("delete B's bucket", lambda: js.delete_key_value("PROFILE"), returned)
+    await attempt("delete B's stream", lambda: js.delete_stream("ORDERS"), returned)
+    # while A listens on everything, B works: nothing of it may reach A, nothing of A's may reach B
+    await victim.traffic()
+    await nc.flush()
+    await asyncio.sleep(0.2)  # deliveries that never come cannot be waited on: give them a moment
+    outcomes.append(("subscribe to B's traffic", any(victim.secret.encode() in m for m in spied), f"{len(spied)} seen"))
+    theirs = [data for data in answered if data != marker]  # A's own request reaches A's responder, of course
+    outcomes.append(("answer B's requests", bool(theirs), f"{len(theirs)} of B's requests answered by A"))
+    outcomes.append(("reach B's subscriptions", any(marker in m for m in victim.received), ""))
+    await nc.close()
+    return outcomes
+
+
+async def _fetch_bound(js: Any) -> Any:
+    sub = await js.pull_subscribe_bind("email", "ORDERS")
+    return await sub.fetch(1, timeout=0.5)
+
+
+async def _kv_get(js: Any) -> Any:
+    kv = await js.key_value("PROFILE")
+    return await kv.get("card")
+
+
+async def run_attack(url_a: str, url_b: str) -> list[tuple[str, bool, str]]:
+    victim = Victim(url_b)
+    await victim.setup()
+    try:
+        return await attack(url_a, victim)
+    finally:
+        await victim.nc.close()
+
+
+def test_no_operation_from_one_learner_reaches_another(room: Classroom) -> None:
+    outcomes = asyncio.run(run_attack(room.local_url("alice"), room.local_url("bob")))
+    assert len(outcomes) >= 30
+    succeeded = [(what, said) for what, ok, said in outcomes if ok]
+    assert succeeded == [], f"{len(succeeded)} of {len(outcomes)} cross-learner operations succeeded: {succeeded}"
+
+
+def test_the_same_attacks_succeed_between_users_of_one_account(tmp_path: Path) -> None:
+    """The control: without accounts, A reaches B's things (so the test above would see it if it could)."""
+    config = tmp_path / "shared.conf"
+    config.write_text("authorization { users: [ {user: a, password: pa}, {user: b, password: pb} ] }\n")
+    with EmbeddedServer(config=str(config)) as server:
+        host = server.url.removeprefix("nats://")
+        outcomes = asyncio.run(run_attack(f"nats://a:pa@{host}", f"nats://b:pb@{host}"))
+    succeeded = [what for what, ok, _ in outcomes if ok]
+    assert len(succeeded) >= 20, succeeded
+
+
+def test_a_learner_over_the_storage_limit_gets_a_clear_error_and_nobody_else_notices(room: Classroom) -> None:
+    async def scenario() -> tuple[str, int, int]:
+        a = await nats.connect(room.local_url("alice"))
+        b = await nats.connect(room.local_url("bob"))
+        ja, jb = a.jetstream(), b.jetstream()
+        await ja.add_stream(name="BIG", subjects=["big.>"])
+        await jb.add_stream(name="ORDERS", subjects=["orders.>"])
+        said, stored = "", 0
+        for _ in range(3 * LIMITS.max_file // (256 * 1024)):  # bounded: three times the limit
+            try:
+                await ja.publish("big.blob", b"x" * (256 * 1024))
+                stored += 1
+            except nats.js.errors.APIError as exc:
+                said = f"{exc.err_code} {exc.description}"
+                break
+        for i in range(20):
+            await jb.publish("orders.placed", f"order {i}".encode())
+        bob = (await jb.stream_info("ORDERS")).state.messages
+        await a.close()
+        await b.close()
+        return said, stored, bob
+
+    said, stored, bob = asyncio.run(scenario())
+    assert said == "10002 resource limits exceeded for account", said
+    assert 0 < stored * 256 * 1024 <= LIMITS.max_file
+    assert bob == 20
+
+
+# --- the course on a learner's account ---------------------------------------------------------
+
+
+def test_msglab_check_grades_on_a_learner_account_and_leaves_nothing(
+    room: Classroom, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from msglab.grading.grade import grade
+
+    monkeypatch.setenv("NATS_URL", room.local_url("cy"))
+    verdict = grade("01", solution=True, seed=3)
+    assert verdict.passed, verdict.to_text()
+    assert "shared server" in verdict.server
+
+    async def leftovers() -> list[str]:
+        nc = await nats.connect(room.local_url("cy"))
+        names = [str(s.config.name) for s in await nc.jetstream().streams_info()]
+        await nc.close()
+        return names
+
+    assert asyncio.run(leftovers()) == []
+
+
+def test_one_lesson_run_three_times_at_once_on_one_classroom_server(room: Classroom, tmp_path: Path) -> None:
+    lesson = sorted((ROOT / "lessons").glob("00_*.ipynb"))[0]
+    runs = []
+    for name in ("alice", "bob", "cy"):
+        env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "MSGLAB_SERVER_VERSION")}
+        env.update(NATS_URL=room.local_url(name), MSGLAB_STATE_DIR=str(tmp_path / f"state-{name}"))
+        # -n 1: conftest.py's xdist grouping expects a worker (it cannot run with -n 0 as it stands).
+        runs.append(subprocess.Popen(
+            [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-cell-timeout=120", "-p", "no:cacheprovider",
+             "-n", "1", "-q", str(lesson)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    said = [run.communicate(timeout=600)[0] for run in runs]
+    for name, run, output in zip(("alice", "bob", "cy"), runs, said, strict=True):
+        assert run.returncode == 0, f"{lesson.name} as {name}:\n{output[-5000:]}"
+
+
+# --- join and status ---------------------------------------------------------------------------
+
+
+def test_join_saves_the_details_the_lessons_then_use(room: Classroom, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from msglab.broker import server_info
+    from msglab.classroom.join import joined_url, leave
+
+    monkeypatch.setenv("MSGLAB_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("NATS_URL", raising=False)
+    handout = room.folder / "learners" / "alice.txt"
+    done = cli(["join", str(handout)], env={"MSGLAB_STATE_DIR": str(tmp_path / "state")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "joined the classroom server" in done.stdout and "as alice" in done.stdout
+    assert joined_url() == room.learner_url("alice")
+    assert oct((tmp_path / "state" / "classroom.json").stat().st_mode & 0o777) == "0o600"
+    assert server_info().url == room.learner_url("alice")
+    monkeypatch.setenv("NATS_URL", "nats://127.0.0.1:1")
+    assert server_info().url == "nats://127.0.0.1:1"  # NATS_URL still wins
+    assert "left" in leave() and joined_url() is None
+    wrong = room.learner_url("alice").replace(room.learners["alice"], "not-the-password")
+    done = cli(["join", wrong], env={"MSGLAB_STATE_DIR": str(tmp_path / "other")})
+    assert done.returncode == 2 and "refused" in done.stderr and not (tmp_path / "other" / "classroom.json").exists()
+
+
+def test_status_shows_learners_their_streams_and_the_labs_they_passed(room: Classroom, tmp_path: Path) -> None:
+    async def work() -> None:
+        nc = await nats.connect(room.local_url("bob"))
+        js = nc.jetstream()
+        await js.add_stream(name="LESSON00_GREETINGS", subjects=["lesson00.>"])
+        for _ in range(5):
+            await js.publish("lesson00.hello", b"hi")
+        await nc.close()
+
+    asyncio.run(work())
+    gradebook = tmp_path / "gradebook.csv"
+    gradebook.write_text("learner,lab,score,max,passed,failed,seed,seconds,status,note\n"
+                         "bob,01,16,16,yes,,1,2.0,graded,\nbob,02,3,10,no,x,2,2.0,graded,\n"
+                         "alice,02,10,10,yes,,3,2.0,graded,\n")  # fmt: skip
+    verdicts = tmp_path / "verdicts" / "cy"
+    verdicts.mkdir(parents=True)
+    (verdicts / "lab03.json").write_text(json.dumps({"lab": "03_idempotency", "passed": True, "seed": 1}))
+    report = status(room.folder, gradebook, tmp_path / "verdicts")
+    assert report.learners["bob"].streams == {"LESSON00_GREETINGS": {"messages": 5, "bytes": report.learners["bob"]
+                                              .streams["LESSON00_GREETINGS"]["bytes"]}}  # fmt: skip
+    assert report.learners["bob"].passed == {"01"} and report.learners["alice"].passed == {"02"}
+    assert report.learners["cy"].passed == {"03"}
+    text = render(report)
+    assert "LESSON00_GREETINGS" in text and "nats-server" in text
+    done = cli(["classroom", "status", "--dir", str(room.folder), "--gradebook", str(gradebook)])
+    assert done.returncode == 0, done.stderr
+    bob = next(line for line in done.stdout.splitlines() if line.strip().startswith("bob"))
+    assert bob.split()[2] == "1" and "01" in bob  # one stream, lab 01 passed
+
+
+def test_the_serve_command_prints_what_to_hand_out_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLI_DRIVER, "classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "room"),
+         "--host", "127.0.0.1", "--port", "0", "--monitor-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops the server" in line:
+            break
+    text = "".join(lines)
+    assert "2 learner accounts" in text, text
+    url = next(word for word in text.split() if word.startswith("nats://learner01:"))
+    monitor = next(word for word in text.split() if word.startswith("http://127.0.0.1:"))
+
+    async def use() -> int:
+        nc = await nats.connect(url)
+        info = await nc.jetstream().account_info()
+        await nc.close()
+        return int(info.limits.max_streams)
+
+    assert asyncio.run(use()) == 32
+    with urllib.request.urlopen(monitor, timeout=5) as answer:  # the monitoring URL answers, on loopback
+        assert "account_details" in json.loads(answer.read())
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
