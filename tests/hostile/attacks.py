@@ -55,14 +55,15 @@ class Attack:
     name: str
     code: str
     own_user: bool = False  # only safe, or only meaningful, when learner code runs as a user of its own
+    every_lab: bool = True  # False: it strikes at import, before any lab code runs, so one lab shows it
 
 
 ATTACKS = [
-    Attack("busy_loop_at_import", "while True:\n    pass\n"),
-    Attack("blocking_sleep_at_import", "_time.sleep(3600)\n"),
+    Attack("busy_loop_at_import", "while True:\n    pass\n", every_lab=False),
+    Attack("blocking_sleep_at_import", "_time.sleep(3600)\n", every_lab=False),
     Attack("busy_loop_in_handler", "_hostile(lambda env: exec('while True: pass'))\n"),
     Attack("blocking_sleep_in_handler", "_hostile(lambda env: _time.sleep(3600))\n"),
-    Attack("exit_at_import", "_os._exit(0)\n"),
+    Attack("exit_at_import", "_os._exit(0)\n", every_lab=False),
     Attack("exit_in_handler", "_hostile(lambda env: _sys.exit(0))\n"),
     Attack(
         "double_forked_child",
@@ -74,6 +75,7 @@ if _os.fork() == 0:
         _time.sleep(3600)
     _os._exit(0)
 """,
+        every_lab=False,
     ),
     Attack(
         "detached_child_with_clean_environment",
@@ -85,6 +87,7 @@ _subprocess.Popen(
 )
 """,
         own_user=True,  # without a user of its own, nothing can find a process that drops its tag and session
+        every_lab=False,
     ),
     Attack("memory_hog_in_handler", "_hostile(lambda env: bytearray(3 << 30))\n"),
     Attack(
@@ -96,6 +99,7 @@ for _i in range(100):
         _time.sleep(3600)
         _os._exit(0)
 """,
+        every_lab=False,
     ),
     Attack("kill_the_grader", "_hostile(lambda env: _os.kill(_os.getppid(), 9))\n", own_user=True),
     Attack("kill_own_process_group", "_hostile(lambda env: _os.killpg(0, 9))\n"),
@@ -202,6 +206,7 @@ for _target in (_os.path.join(_os.path.dirname(_msglab.__file__), "graders", "__
         _report(f"outcome refused {type(_exc).__name__}")
 """,
         own_user=True,  # as yourself you can write your own venv; the sandbox user cannot
+        every_lab=False,
     ),
     Attack(
         "terminal_escape_spoofing",
