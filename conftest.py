@@ -67,7 +67,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.fspath))
         if path.suffix == ".ipynb":
             _group(item, f"nb-{path.parent.name}-{path.stem}")
-        elif path.name in ("test_variants_under_load.py", "test_browser.py", "test_make_lab.py"):
+        elif path.name == "test_browser.py":
+            # Two JupyterLabs, each on a worker of its own, share the lessons: odd and even numbers.
+            lesson = item.callspec.params.get("lesson", "") if hasattr(item, "callspec") else ""
+            number = Path(str(lesson)).name[:2]
+            _group(item, f"test_browser-{int(number) % 2 if number.isdigit() else 0}")
+        elif path.name in ("test_variants_under_load.py", "test_make_lab.py"):
             _group(item, path.stem)
 
 
