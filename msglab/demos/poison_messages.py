@@ -1,0 +1,788 @@
+"""Lesson 04's plumbing: an email worker in a real process, an email provider that fails, and the counts.
+
+    provider = demo.start_provider()            # the course's email provider, its own process
+    bench = demo.Bench(nc, provider)
+    result = await bench.run(handler, ["o-1042 bounce", *demo.orders(20)], max_deliver=5)
+    result.deliveries("o-1042"), result.gaps("o-1042"), result.dlq_table()
+
+`Bench.run` ships the cell's handler (and the helpers and constants it uses) to a worker process of
+its own, through the grading harness with this module as the "grader", on a stream and durable made
+for that run (`max_deliver`, `backoff`, `max_ack_pending`, `ack_wait` as asked). Each email is a
+string "<order id> <kind>": ok, bounce (the provider answers 422 forever), template (400: the
+template is not deployed), unreachable (502: the recipient's mail server is down), outage (an
+ordinary email, but the run starts with the provider down for `outage` seconds). Every delivery,
+settle (ack, nak with its delay, term), provider answer, dead letter and kill is recorded in the
+notebook's process with its clock; `Result` counts them. `kill="after_dead_letter"` SIGKILLs the
+first worker right after the DLQ stream confirmed its first dead letter, and starts a second one.
+`copier=` runs a second process that turns the server's MAX_DELIVERIES advisories into dead
+letters; `redrive=` runs a cell's redrive function after `fix` (the causes of those orders are
+fixed at the provider), `redrive_runs` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+import time
+import types
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from msglab.grading.harness import Child, Run
+from msglab.grading.nemesis import Crash
+from msglab.world import email_provider as ep
+from msglab.world.email_provider import EmailApiError  # the class a worker's send_email raises
+
+STREAMS = ("LESSON04_EMAILS", "LESSON04_EMAILS_DLQ", "LESSON04_ADVISORIES", "LESSON04_PROBE")
+STREAM, DLQ_STREAM, ADVISORY_STREAM, PROBE_STREAM = STREAMS
+SUBJECT = "lesson04.orders.email"
+DLQ_SUBJECT = "lesson04.orders.email.dlq"
+DURABLE = "email"
+ADVISORY_DURABLE = "dead_letters"
+PROVIDER_PREFIX = "lesson04.provider"
+ACK_WAIT = 0.5  # seconds; production uses 30 s or more
+KINDS = ("ok", "bounce", "template", "unreachable", "outage")
+HEADER = "from __future__ import annotations\n\nimport asyncio\nimport json\nimport time\nfrom typing import Any\n"
+
+_provider: ep.Provider | None = None
+
+
+def start_provider() -> ep.Provider:
+    """Start the lesson's email provider process (stopping one this kernel started before)."""
+    global _provider
+    if _provider is not None:
+        _provider.stop()
+    _provider = ep.start(prefix=PROVIDER_PREFIX)
+    return _provider
+
+
+def orders(count: int, start: int = 2001) -> list[str]:
+    """`count` ordinary emails: ["o-2001 ok", "o-2002 ok", ...]."""
+    return [f"o-{start + i} ok" for i in range(count)]
+
+
+# --- what runs inside the worker processes ---------------------------------------------------
+
+
+def _add_effects(env: Any) -> None:
+    """env.send_email (answered by the notebook's side, which asks the provider), the DLQ subject, and a
+    watch on dead letters: a confirmed publish to the DLQ is a call the run may SIGKILL the process on."""
+    from nats.js.client import JetStreamContext
+
+    async def send_email(email: Any) -> str:
+        detail = {"to": str(email.get("to")), "template": str(email.get("template"))}
+        return env.world.call("send_email", str(email.get("order_id")), **detail)
+
+    env.send_email = send_email
+    env.EmailApiError = EmailApiError
+    env.dlq_subject = env.subject(DLQ_SUBJECT)
+    dlq, publish = env.subject(DLQ_SUBJECT), JetStreamContext.publish
+
+    async def watched(self: Any, subject: str, payload: bytes = b"", *args: Any, **kwargs: Any) -> Any:
+        ack = await publish(self, subject, payload, *args, **kwargs)
+        if subject == dlq:
+            headers = kwargs.get("headers") or (args[2] if len(args) > 2 else None) or {}
+            env.world.call("dead_letter", headers.get("Order-Id"), duplicate=bool(ack.duplicate), seq=ack.seq)
+        return ack
+
+    JetStreamContext.publish = watched  # type: ignore[method-assign]
+
+
+def _record_settles(env: Any, msg: Any, key: str) -> None:
+    """Note every ack, nak (with its delay) and term the handler makes on this delivery."""
+    n, seq = msg.metadata.num_delivered, msg.metadata.sequence.stream
+    ack, ack_sync, nak, term = msg.ack, msg.ack_sync, msg.nak, msg.term
+
+    async def noted_ack() -> None:
+        await ack()
+        env.world.note("settle", key, how="ack", n=n, seq=seq)
+
+    async def noted_ack_sync(timeout: float = 1.0) -> Any:
+        reply = await ack_sync(timeout=timeout)
+        env.world.note("settle", key, how="ack", n=n, seq=seq)
+        return reply
+
+    async def noted_nak(delay: float | None = None) -> None:
+        await nak(delay=delay)
+        env.world.note("settle", key, how="nak", n=n, seq=seq, delay=delay or 0.0)
+
+    async def noted_term() -> None:
+        await term()
+        env.world.note("settle", key, how="term", n=n, seq=seq)
+
+    msg.ack, msg.ack_sync, msg.nak, msg.term = noted_ack, noted_ack_sync, noted_nak, noted_term
+
+
+async def _wait_for_go() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    await reader.readline()
+
+
+async def role_worker(env: Any, learner: Any) -> None:
+    """One email worker: wait for its turn, then fetch one email at a time and hand it to the handler."""
+    _add_effects(env)
+    handler = getattr(learner, env.params["handler"])
+    await _wait_for_go()
+    sub = await env.js.pull_subscribe_bind(env.durable(DURABLE), env.stream(STREAM))
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=0.5)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            key = (msg.headers or {}).get("Order-Id", "?")
+            env.world.note("delivery", key, n=msg.metadata.num_delivered, seq=msg.metadata.sequence.stream)
+            _record_settles(env, msg, key)
+            try:
+                await handler(env, msg)
+            finally:
+                env.world.note("handled", key)
+
+
+async def role_copier(env: Any, learner: Any) -> None:
+    """The small process that turns MAX_DELIVERIES advisories into dead letters (the cell's function)."""
+    _add_effects(env)
+    env.advisories_stream = env.stream(ADVISORY_STREAM)
+    env.advisories_durable = env.durable(ADVISORY_DURABLE)
+    await getattr(learner, env.params["copier"])(env)
+
+
+# --- the cell's code, as a module --------------------------------------------------------------
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_used(const)
+    return names
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, str | int | float | bool | bytes | type(None)):
+        return True
+    if isinstance(value, list | tuple | set | frozenset):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+def write_module(*functions: Callable[..., Any]) -> tuple[str, str]:
+    """Write functions of a notebook as a module, with the notebook's functions and plain constants they use.
+
+    A function is shipped if the cell defined it (its module is the notebook's); a constant if it is
+    a number, a string, or a list, tuple or dict of those (DELAYS = [0.05, 0.1]). Returns (folder, path).
+    """
+    shipped: dict[str, str] = {}
+    constants: dict[str, str] = {}
+    todo = list(functions)
+    while todo:
+        function = todo.pop()
+        if function.__name__ in shipped:
+            continue
+        shipped[function.__name__] = textwrap.dedent(inspect.getsource(function))
+        for name in sorted(_names_used(function.__code__)):
+            value = function.__globals__.get(name)
+            if inspect.isfunction(value) and value.__module__ == function.__module__ and name not in shipped:
+                todo.append(value)
+            elif _plain(value) and not name.startswith("__") and value is not None:
+                constants[name] = f"{name} = {value!r}\n"
+    folder = tempfile.mkdtemp(prefix="msglab-lesson04-")
+    path = os.path.join(folder, "handler.py")
+    body = HEADER + "\n" + "".join(constants.values()) + "\n\n" + "\n\n".join(reversed(shipped.values()))
+    Path(path).write_text(body)
+    return folder, path
+
+
+# --- the bench ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Email:
+    order: str
+    kind: str
+    to: str
+    template: str
+
+    @property
+    def payload(self) -> bytes:
+        return json.dumps({"order_id": self.order, "to": self.to, "template": self.template}).encode()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Order-Id": self.order, "Correlation-Id": f"corr-{self.order}"}
+
+
+def parse(spec: str) -> Email:
+    order, _, kind = spec.partition(" ")
+    kind = kind or "ok"
+    if kind not in KINDS:
+        raise ValueError(f"{spec!r}: the kind is one of {', '.join(KINDS)}")
+    name = order.replace("-", "")
+    to = {"bounce": "anna@gmial.con", "unreachable": f"{name}@fjord.example"}.get(kind, f"{name}@example.com")
+    template = "order_shipped_v2" if kind == "template" else "order_confirmation"
+    return Email(order, kind, to, template)
+
+
+@dataclass
+class Row:
+    t: float  # seconds since the first email was published
+    kind: str  # published, delivery, settle, attempt, dead_letter, kill, exhausted, advisory, fixed, redrive
+    order: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Bench:
+    """The lesson's runs: each in processes of its own, against the lesson's email provider."""
+
+    def __init__(self, nc: Any, provider: ep.ProviderView) -> None:
+        self.nc = nc
+        self.provider = provider
+
+    def __repr__(self) -> str:
+        return f"<bench: email worker processes on {SUBJECT}, DLQ {DLQ_SUBJECT}, provider {self.provider.subject}>"
+
+    async def run(
+        self,
+        handler: Callable[..., Any],
+        emails: Sequence[str],
+        *,
+        max_deliver: int = -1,
+        backoff: Sequence[float] | None = None,
+        max_ack_pending: int = 1000,
+        ack_wait: float = ACK_WAIT,
+        seconds: float | None = None,
+        outage: float = 0.0,
+        kill: str | None = None,
+        copier: Callable[..., Any] | None = None,
+        fix: Sequence[str] = (),
+        redrive: Callable[..., Awaitable[Any]] | None = None,
+        redrive_runs: int = 1,
+        timeout: float = 8.0,
+    ) -> Result:
+        """Publish the emails, run `handler` on them in a worker process, and return what happened.
+
+        The run ends after `seconds`, or once every email is settled for good (acked, termed, or out of
+        deliveries), or at `timeout`.
+        """
+        if kill not in (None, "after_dead_letter"):
+            raise ValueError("kill is None or 'after_dead_letter'")
+        plan = [parse(spec) for spec in emails]
+        functions = [handler] + ([copier] if copier else [])
+        folder, path = write_module(*functions)
+        started = time.perf_counter()
+        try:
+            async with Run(__name__, path, 0) as lab:
+                return await _Runner(self, lab, plan).go(
+                    handler, max_deliver=max_deliver, backoff=backoff, max_ack_pending=max_ack_pending,
+                    ack_wait=ack_wait, seconds=seconds, outage=outage, kill=kill, copier=copier, fix=fix,
+                    redrive=redrive, redrive_runs=redrive_runs, timeout=timeout, started=started,
+                )  # fmt: skip
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Runner:
+    def __init__(self, bench: Bench, lab: Run, plan: list[Email]) -> None:
+        self.bench = bench
+        self.lab = lab
+        self.plan = plan
+        self.rows: list[Row] = []
+        self.t0 = time.time()
+        self.exhausted: dict[int, float] = {}
+        self.advisories = 0
+
+    def row(self, kind: str, order: str, ts: float | None = None, **detail: Any) -> None:
+        self.rows.append(Row((time.time() if ts is None else ts) - self.t0, kind, order, detail))
+
+    async def go(self, handler: Callable[..., Any], **o: Any) -> Result:
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        lab, names, bench = self.lab, self.lab.names, self.bench
+        self._serve_effects()
+        # The workers start while the streams are made: they wait for their turn before fetching.
+        params = {"handler": handler.__name__}
+        kill = [Crash("dead_letter", 1, "after")] if o["kill"] else []
+        planned = [lab.spawn("worker", faults=kill, params=params)]
+        if o["kill"]:
+            planned.append(lab.spawn("worker", params=params))
+        spawning = asyncio.ensure_future(asyncio.gather(*planned))
+        stream = names.stream(STREAM)
+        await lab.js.add_stream(name=stream, subjects=[names.subject(SUBJECT)])
+        await lab.js.add_stream(name=names.stream(DLQ_STREAM), subjects=[names.subject(DLQ_SUBJECT)])
+        config = ConsumerConfig(
+            durable_name=names.durable(DURABLE), ack_policy=AckPolicy.EXPLICIT, ack_wait=o["ack_wait"],
+            max_deliver=o["max_deliver"], max_ack_pending=o["max_ack_pending"],
+            backoff=list(o["backoff"]) if o["backoff"] else None,
+        )  # fmt: skip
+        await lab.js.add_consumer(stream, config)
+        consumer = (await lab.js.consumer_info(stream, names.durable(DURABLE))).config
+        advisory = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{names.durable(DURABLE)}"
+        if o["copier"] is not None:
+            await lab.js.add_stream(name=names.stream(ADVISORY_STREAM), subjects=[advisory])
+            await lab.js.add_consumer(
+                names.stream(ADVISORY_STREAM),
+                ConsumerConfig(durable_name=names.durable(ADVISORY_DURABLE), ack_policy=AckPolicy.EXPLICIT),
+            )
+        subs = [await lab.nc.subscribe(advisory, cb=self._on_exhausted)]
+        # The provider: what is wrong with which email, from a clean slate.
+        await bench.provider.control(bench.nc, "reset")
+        for email in self.plan:
+            if email.kind == "bounce":
+                await bench.provider.control(bench.nc, "mailbox", address=email.to, exists=False)
+            elif email.kind == "template":
+                await bench.provider.control(bench.nc, "template", name=email.template, known=False)
+            elif email.kind == "unreachable":
+                await bench.provider.control(bench.nc, "domain", name=ep.domain_of(email.to), reachable=False)
+        workers = list(await spawning)
+        if o["copier"] is not None:
+            await lab.spawn("copier", params={"copier": o["copier"].__name__})
+        self.t0 = time.time()
+        if o["outage"]:
+            await bench.provider.outage(bench.nc, o["outage"])
+            self.row("outage", "", seconds=o["outage"])
+        seqs: dict[int, str] = {}
+        for email in self.plan:
+            ts = time.time()
+            ack = await lab.js.publish(names.subject(SUBJECT), email.payload, headers=email.headers)
+            seqs[int(ack.seq)] = email.order
+            self.row("published", email.order, ts, seq=int(ack.seq))
+        await _go(workers[0])
+        deadline = time.monotonic() + o["timeout"]
+        if o["kill"]:
+            await lab.wait_for(lambda: not workers[0].alive, o["timeout"])
+            await _go(workers[1])
+        if o["seconds"] is not None:
+            await asyncio.sleep(max(0.0, self.t0 + o["seconds"] - time.time()))  # the experiment's length
+        else:
+            await lab.wait_for(lambda: self._settled(seqs, o), max(0.1, deadline - time.monotonic()))
+        if o["redrive"] is not None:
+            await self._redrive(o, seqs, deadline)
+        info = await lab.js.consumer_info(stream, names.durable(DURABLE))
+        stream_state = (await lab.js.stream_info(stream)).state
+        dlq = await _read(lab.js, names.stream(DLQ_STREAM))
+        for sub in subs:
+            await sub.unsubscribe()
+        self._collect(seqs)
+        if os.environ.get("MSGLAB_DEBUG_DEMO"):
+            print("\n".join(lab.output_tail()), [(c.role, c.how_it_ended()) for c in lab.children], file=sys.stderr)
+            print([(e.kind, e.name, e.key, e.detail) for e in lab.log.events()][:20], file=sys.stderr)
+        return Result(
+            handler=handler.__name__, emails=[e.order for e in self.plan], rows=sorted(self.rows, key=lambda r: r.t),
+            dlq=[DeadLetter.of(raw) for raw in dlq], consumer=consumer, pending=int(info.num_pending),
+            ack_pending=int(info.num_ack_pending), stored=int(stream_state.messages),
+            seconds=time.perf_counter() - o["started"],
+        )  # fmt: skip
+
+    def _serve_effects(self) -> None:
+        bench = self.bench
+
+        async def send_email(child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
+            from msglab.grading.harness import Refuse
+
+            email = {"order_id": key, "to": detail.get("to"), "template": detail.get("template")}
+            ts = time.time()
+            try:
+                message_id = await ep.send(bench.nc, bench.provider.subject, email)
+            except ep.EmailApiError as exc:
+                self.row("attempt", key or "", ts, status=exc.status, text=str(exc), pid=child.pid)
+                raise Refuse("EmailApiError", str(exc)) from None
+            except ConnectionResetError as exc:
+                self.row("attempt", key or "", ts, status=0, text=str(exc), pid=child.pid)
+                raise Refuse("ConnectionResetError", str(exc)) from None
+            self.row("attempt", key or "", ts, status=200, text=message_id, pid=child.pid)
+            return message_id
+
+        async def dead_letter(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+            self.row("dead_letter", key or "", pid=child.pid, **detail)
+
+        self.lab.on("send_email", send_email)
+        self.lab.on("dead_letter", dead_letter)
+
+    async def _on_exhausted(self, msg: Any) -> None:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            self.exhausted.setdefault(int(json.loads(msg.data)["stream_seq"]), time.time())
+
+    def _settled(self, seqs: dict[int, str], o: dict[str, Any]) -> bool:
+        """Every email acked or termed, or out of deliveries; with a copier, every exhausted one copied."""
+        done = {
+            e.detail.get("seq") for e in self.lab.log.events("note", "settle") if e.detail.get("how") in ("ack", "term")
+        }
+        left = [seq for seq in seqs if seq not in done and seq not in self.exhausted]
+        notes = self.lab.log.events("note")
+        busy = any(
+            [e.name for e in notes if e.pid == w.pid].count("delivery")
+            != [e.name for e in notes if e.pid == w.pid].count("handled")
+            for w in self.lab.children
+            if w.alive and w.role == "worker"
+        )
+        stored = sum(r.kind == "dead_letter" and not r.detail.get("duplicate") for r in self.rows)
+        copied = o["copier"] is None or stored >= len(self.exhausted)
+        return not left and not busy and copied
+
+    async def _redrive(self, o: dict[str, Any], seqs: dict[int, str], deadline: float) -> None:
+        bench, lab = self.bench, self.lab
+        for email in self.plan:
+            if email.order in o["fix"]:
+                if email.kind == "template":
+                    await bench.provider.control(bench.nc, "template", name=email.template, known=True)
+                elif email.kind == "unreachable":
+                    await bench.provider.control(bench.nc, "domain", name=ep.domain_of(email.to), reachable=True)
+                elif email.kind == "bounce":
+                    await bench.provider.control(bench.nc, "mailbox", address=email.to, exists=True)
+        self.row("fixed", ",".join(o["fix"]))
+        env = RedriveEnv(lab)
+        for number in range(1, o["redrive_runs"] + 1):
+            before = int((await lab.js.stream_info(lab.names.stream(STREAM))).state.last_seq)
+            await o["redrive"](env, list(o["fix"]))
+            after = int((await lab.js.stream_info(lab.names.stream(STREAM))).state.last_seq)
+            for raw in await _read(lab.js, lab.names.stream(STREAM), before + 1, after):
+                order = dict(raw.headers or {}).get("Order-Id", "?")
+                seqs[int(raw.seq)] = order
+                self.row("redriven", order, seq=int(raw.seq), run=number)
+            self.row("redrive_run", "", run=number, stored=after - before)
+            await lab.wait_for(lambda: self._settled(seqs, o), max(0.1, deadline - time.monotonic()))
+
+    def _collect(self, seqs: dict[int, str]) -> None:
+        for e in self.lab.log.events("note"):
+            if e.name in ("delivery", "settle"):
+                self.row(e.name, e.key or "", e.ts, pid=e.pid, **e.detail)
+        for e in self.lab.log.events("crash"):
+            self.row("kill", e.key or "", e.ts, pid=e.pid)
+        for seq, ts in self.exhausted.items():
+            self.row("exhausted", seqs.get(seq, "?"), ts, seq=seq)
+
+
+class RedriveEnv:
+    """What a cell's redrive function gets: JetStream and the run's names (as a worker's env has them)."""
+
+    def __init__(self, lab: Run) -> None:
+        self.js, self.nc, self.names = lab.js, lab.nc, lab.names
+        self.dlq_stream = lab.names.stream(DLQ_STREAM)
+        self.dlq_subject = lab.names.subject(DLQ_SUBJECT)
+        self.stream = lab.names.stream(STREAM)
+        self.subject = lab.names.subject(SUBJECT)
+
+
+async def _go(child: Child) -> None:
+    assert child.proc.stdin is not None
+    child.proc.stdin.write(b"go\n")
+    await child.proc.stdin.drain()
+
+
+async def _read(js: Any, stream: str, first: int = 1, last: int | None = None) -> list[Any]:
+    if last is None:
+        last = int((await js.stream_info(stream)).state.last_seq)
+    found = []
+    for seq in range(first, last + 1):
+        with contextlib.suppress(Exception):
+            found.append(await js.get_msg(stream, seq))
+    return found
+
+
+# --- what a run did ----------------------------------------------------------------------------
+
+
+@dataclass
+class DeadLetter:
+    """One message in the DLQ stream."""
+
+    seq: int
+    order: str
+    reason: str
+    deliveries: str
+    stream_seq: str
+    headers: dict[str, str]
+
+    @classmethod
+    def of(cls, raw: Any) -> DeadLetter:
+        headers = {str(k): str(v) for k, v in (raw.headers or {}).items()}
+        return cls(
+            int(raw.seq), headers.get("Order-Id", "?"), headers.get("Dlq-Reason", ""),
+            headers.get("Dlq-Deliveries", ""), headers.get("Dlq-Stream-Seq", ""), headers,
+        )  # fmt: skip
+
+
+@dataclass
+class Table:
+    """Rows shown as text or HTML."""
+
+    head: list[str]
+    rows: list[list[Any]]
+
+    def __repr__(self) -> str:
+        widths = [max(len(str(x)) for x in [h, *(r[i] for r in self.rows)]) for i, h in enumerate(self.head)]
+        lines = ["  ".join(str(h).ljust(w) for h, w in zip(self.head, widths, strict=True))]
+        lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)) for r in self.rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in self.head)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in r) + "</tr>" for r in self.rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+
+@dataclass
+class Result:
+    """One run: every delivery, settle, provider answer, dead letter and kill, with the run's clock."""
+
+    handler: str
+    emails: list[str]
+    rows: list[Row]
+    dlq: list[DeadLetter]
+    consumer: Any  # the durable's config as the server reports it
+    pending: int  # messages the durable has not delivered yet, at the end
+    ack_pending: int  # delivered and not settled, at the end
+    stored: int  # messages in the email stream at the end
+    seconds: float
+
+    def _of(self, kind: str, order: str | None = None) -> list[Row]:
+        return [r for r in self.rows if r.kind == kind and (order is None or r.order == order)]
+
+    def deliveries(self, order: str) -> int:
+        """How many times the server delivered this order's email."""
+        return len(self._of("delivery", order))
+
+    def times(self, order: str) -> list[float]:
+        return [r.t for r in self._of("delivery", order)]
+
+    def gaps(self, order: str) -> list[float]:
+        """Seconds between consecutive deliveries of this order's email."""
+        t = self.times(order)
+        return [round(b - a, 3) for a, b in itertools.pairwise(t)]
+
+    def span(self, order: str) -> float:
+        """Seconds from this email's first delivery to its last."""
+        t = self.times(order)
+        return t[-1] - t[0] if t else 0.0
+
+    def per_second(self, order: str) -> float:
+        t = self.times(order)
+        return len(t) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else float(len(t))
+
+    def answers(self, order: str) -> Counter[int]:
+        """The provider's answers to this order's email, by status (200: sent)."""
+        return Counter(int(r.detail.get("status", 0)) for r in self._of("attempt", order))
+
+    @property
+    def sent(self) -> Counter[str]:
+        """Emails the provider sent, by order."""
+        return Counter(r.order for r in self._of("attempt") if r.detail.get("status") == 200)
+
+    def sent_after(self, t: float) -> Counter[str]:
+        return Counter(r.order for r in self._of("attempt") if r.detail.get("status") == 200 and r.t >= t)
+
+    @property
+    def exhausted(self) -> list[str]:
+        """Orders the server stopped delivering (max_deliver reached)."""
+        return [r.order for r in self._of("exhausted")]
+
+    @property
+    def kills(self) -> int:
+        return len(self._of("kill"))
+
+    @property
+    def duplicates(self) -> int:
+        """Dead letters the DLQ stream answered with 'duplicate' (Nats-Msg-Id seen before): not stored again."""
+        return sum(bool(r.detail.get("duplicate")) for r in self._of("dead_letter"))
+
+    def dlq_count(self, order: str) -> int:
+        return sum(d.order == order for d in self.dlq)
+
+    def settles(self, order: str) -> list[str]:
+        """What the handler answered to each delivery: 'nak 0.05', 'term', 'ack'."""
+        out = []
+        for r in self._of("settle", order):
+            delay = r.detail.get("delay")
+            out.append(f"{r.detail.get('how')} {delay:g}" if delay else str(r.detail.get("how")))
+        return out
+
+    def gaps_table(self, order: str, asked: Sequence[float] | None = None) -> Table:
+        """Each redelivery of one email: the wait measured between deliveries, and the wait configured."""
+        rows = []
+        for i, gap in enumerate(self.gaps(order)):
+            row: list[Any] = [f"#{i + 1} -> #{i + 2}", f"{gap:.3f} s"]
+            if asked is not None:
+                row.append(f"{asked[min(i, len(asked) - 1)]:.3f} s")
+            rows.append(row)
+        head = ["deliveries", "measured wait"] + (["configured"] if asked is not None else [])
+        return Table(head, rows)
+
+    def queue_ages(self, poison: str, step: float = 0.05) -> list[tuple[float, float]]:
+        """Every `step` s: how long the oldest email not yet handled (the poison aside) had been waiting."""
+        published = {r.order: r.t for r in self._of("published") if r.order != poison}
+        handled: dict[str, float] = {}
+        for r in self.rows:
+            if r.kind in ("attempt", "settle") and r.order in published:
+                handled.setdefault(r.order, r.t)
+        end = max((r.t for r in self.rows), default=0.0)
+        ages, t = [], 0.0
+        while t <= end + 1e-9:
+            waiting = [p for o, p in published.items() if p <= t and handled.get(o, float("inf")) > t]
+            ages.append((round(t, 3), round(t - min(waiting), 3) if waiting else 0.0))
+            t += step
+        return ages
+
+    def max_queue_age(self, poison: str) -> float:
+        return max((age for _, age in self.queue_ages(poison)), default=0.0)
+
+    def first_behind(self, poison: str) -> float | None:
+        """How long the first email behind `poison` waited for a worker (None: no worker took any)."""
+        published = {r.order: r.t for r in self._of("published") if r.order != poison}
+        taken = [
+            r.t - published[r.order] for r in self.rows if r.kind in ("attempt", "settle") and r.order in published
+        ]
+        return round(min(taken), 3) if taken else None
+
+    def emails_behind_sent(self, poison: str) -> int:
+        return sum(n > 0 for order, n in self.sent.items() if order != poison)
+
+    def dlq_table(self) -> Table:
+        rows = [[d.seq, d.order, d.deliveries, d.stream_seq, _short(d.reason, 70)] for d in self.dlq]
+        return Table(["DLQ seq", "order", "Dlq-Deliveries", "Dlq-Stream-Seq", "Dlq-Reason"], rows)
+
+    def where(self, order: str) -> str:
+        """Where one email is at the end of the run, in a sentence."""
+        n = self.deliveries(order)
+        said = [f"{order}: delivered {n} times"]
+        if order in self.exhausted:
+            said.append("then the server stopped (max_deliver)")
+        said.append(f"the stream still holds it ({self.stored} message(s) in all)")
+        said.append(f"the durable shows {self.pending} waiting and {self.ack_pending} unacked")
+        said.append(f"the DLQ holds {self.dlq_count(order)} copy(ies) of it")
+        return "; ".join(said)
+
+    def ended(self, order: str) -> str:
+        """Where one email ended: sent, in the DLQ, out of deliveries, termed, or still waiting."""
+        if self.sent[order]:
+            return "sent"
+        if self.dlq_count(order):
+            return "in the DLQ"
+        if order in self.exhausted:
+            return "out of deliveries"
+        return "termed" if "term" in self.settles(order) else "still retrying"
+
+    def summary(self) -> Table:
+        """One row per email: deliveries, the provider's answers, where it ended."""
+        rows = []
+        for spec in self.emails:
+            answers = ", ".join(f"{k if k else 'reset'}×{v}" for k, v in sorted(self.answers(spec).items()))
+            rows.append([spec, self.deliveries(spec), answers or "-", self.ended(spec)])
+        return Table(["order", "deliveries", "provider answered", "ended"], rows)
+
+    def __repr__(self) -> str:
+        sent, dead = sum(self.sent.values()), len(self.dlq)
+        return f"<{self.handler}: {len(self.emails)} emails, {sent} sent, {dead} in the DLQ, {self.seconds:.1f} s>"
+
+
+def compare(transient: str, permanent: str, **runs: Result) -> Table:
+    """Policies side by side: what became of the transient email, and what the permanent one cost."""
+    rows = []
+    for label, r in runs.items():
+        first5 = r.times(transient)[:5]
+        rows.append([
+            label, r.ended(transient), f"{first5[-1] - first5[0]:.3f} s" if len(first5) > 1 else "-",
+            r.deliveries(permanent), f"{r.span(permanent):.2f} s", r.ended(permanent),
+        ])  # fmt: skip
+    head = [
+        "policy", f"{transient}", "its first 5 deliveries span", f"{permanent}: deliveries",
+        "from first to last", "ended",
+    ]  # fmt: skip
+    return Table(head, rows)
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def plot_queue_ages(poison: str, **runs: Result) -> Any:
+    """The age of the oldest email waiting behind `poison`, over time, one line per run."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    for label, result in runs.items():
+        ages = result.queue_ages(poison)
+        ax.plot([t for t, _ in ages], [a for _, a in ages], label=label)
+    ax.set_xlabel("seconds since the emails were published")
+    ax.set_ylabel("queue age (s)")
+    ax.set_title(f"the oldest email waiting behind {poison}")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- small facts, checked on the lesson's own server ------------------------------------------------
+
+
+async def consumer_rules(js: Any, delays: Sequence[float]) -> Table:
+    """What the server does with a backoff list: the ack_wait it reports, and which max_deliver it refuses."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+    from nats.js.errors import BadRequestError
+
+    from msglab.broker import delete_stream
+
+    await delete_stream(js, PROBE_STREAM)
+    await js.add_stream(name=PROBE_STREAM, subjects=["lesson04.probe"])
+    rows = []
+    try:
+        for max_deliver in (len(delays) + 1, len(delays), len(delays) - 1):
+            config = ConsumerConfig(
+                durable_name=f"probe{max_deliver}", ack_policy=AckPolicy.EXPLICIT, ack_wait=30,
+                backoff=list(delays), max_deliver=max_deliver,
+            )  # fmt: skip
+            try:
+                info = await js.add_consumer(PROBE_STREAM, config)
+                rows.append([max_deliver, "accepted", f"ack_wait {info.config.ack_wait:g} s (asked 30 s)"])
+            except BadRequestError as exc:
+                rows.append([max_deliver, "refused", f"{exc.err_code}: {exc.description}"])
+    finally:
+        await delete_stream(js, PROBE_STREAM)
+    return Table([f"max_deliver, backoff of {len(delays)}", "the server", "what it says"], rows)
+
+
+async def advisory_needs_a_pull(js: Any) -> tuple[int, int]:
+    """An email runs out of deliveries while nobody is fetching: advisories stored then, and after one fetch."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from msglab.broker import delete_stream
+
+    probe, captured = PROBE_STREAM, ADVISORY_STREAM
+    for name in (probe, captured):
+        await delete_stream(js, name)
+    await js.add_stream(name=probe, subjects=["lesson04.probe"])
+    await js.add_stream(name=captured, subjects=[f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{probe}.>"])
+    try:
+        await js.add_consumer(
+            probe, ConsumerConfig(durable_name="probe", ack_policy=AckPolicy.EXPLICIT, ack_wait=0.1, max_deliver=2)
+        )
+        await js.publish("lesson04.probe", b"o-1042")
+        sub = await js.pull_subscribe_bind("probe", probe)
+        for _ in range(2):
+            await sub.fetch(1, timeout=1)  # deliveries 1 and 2, never acked
+        await asyncio.sleep(0.3)  # the experiment: its last ack_wait (0.1 s) runs out while nobody fetches
+        before = int((await js.stream_info(captured)).state.messages)
+        with contextlib.suppress(TimeoutError):
+            await sub.fetch(1, timeout=0.3)  # one pull request waits; nothing is delivered
+        after = int((await js.stream_info(captured)).state.messages)
+        await sub.unsubscribe()
+    finally:
+        for name in (probe, captured):
+            await delete_stream(js, name)
+    return before, after

@@ -1,0 +1,193 @@
+"""Lesson 04's plumbing on a real server: the email provider answers by status, and the bench's runs
+count what the lesson says they count. Counts and states only, no timing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from msglab.broker import connect
+from msglab.broker.server import EmbeddedServer
+from msglab.demos import poison_messages as demo
+from msglab.world import email_provider as ep
+
+DELAYS = [0.05, 0.1, 0.2, 0.4]
+
+
+def transient(error: Exception) -> bool:
+    status = getattr(error, "status", None)
+    return isinstance(error, ConnectionError) or status == 429 or (status or 0) >= 500
+
+
+async def nak_at_once(env: Any, msg: Any) -> None:
+    try:
+        await env.send_email(json.loads(msg.data))
+    except Exception:
+        await msg.nak()
+        return
+    await msg.ack_sync()
+
+
+async def dead_letter(env: Any, msg: Any, error: Exception) -> None:
+    headers = dict(msg.headers or {})
+    headers["Dlq-Reason"] = f"{type(error).__name__}: {error}"
+    headers["Dlq-Deliveries"] = str(msg.metadata.num_delivered)
+    headers["Dlq-Stream-Seq"] = str(msg.metadata.sequence.stream)
+    if ID_DEAD_LETTERS:
+        headers["Nats-Msg-Id"] = f"dlq-{msg.metadata.sequence.stream}"
+    await env.js.publish(env.dlq_subject, msg.data, headers=headers)
+
+
+async def with_dlq(env: Any, msg: Any) -> None:
+    n = msg.metadata.num_delivered
+    try:
+        await env.send_email(json.loads(msg.data))
+    except Exception as error:
+        if transient(error) and n < 5:
+            await msg.nak(delay=DELAYS[n - 1])
+            return
+        await dead_letter(env, msg, error)
+        await msg.term()
+        return
+    await msg.ack_sync()
+
+
+async def redrive(env: Any, order_ids: list[str]) -> None:
+    last = (await env.js.stream_info(env.dlq_stream)).state.last_seq
+    for seq in range(1, last + 1):
+        entry = await env.js.get_msg(env.dlq_stream, seq)
+        if entry.headers.get("Order-Id") in order_ids:
+            headers = {k: v for k, v in entry.headers.items() if not k.startswith(("Dlq-", "Nats-"))}
+            headers["Nats-Msg-Id"] = f"redrive-{seq}"
+            await env.js.publish(env.subject, entry.data, headers=headers)
+
+
+ID_DEAD_LETTERS = False  # shipped to the worker as a constant; each test module run writes it in
+
+
+def bench_run(server: EmbeddedServer, handler: Any, emails: list[str], **options: Any) -> demo.Result:
+    async def go() -> demo.Result:
+        nc = await connect(server.url)
+        provider = ep.start(server.url, prefix=demo.PROVIDER_PREFIX)
+        try:
+            return await demo.Bench(nc, provider).run(handler, emails, **options)
+        finally:
+            provider.stop()
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def test_provider_answers_like_an_email_api(server: EmbeddedServer) -> None:
+    async def go() -> tuple[list[Any], list[ep.Request]]:
+        nc = await connect(server.url)
+        provider = ep.start(server.url, prefix="test04.provider")
+        try:
+            await provider.control(nc, "mailbox", address="nobody@example.com", exists=False)
+            await provider.control(nc, "domain", name="fjord.example", reachable=False)
+            await provider.control(nc, "script", address="flaky@example.com", answers=["reset", "429"])
+            outcomes: list[Any] = []
+            for to, template in [
+                ("ana@example.com", "order_confirmation"),
+                ("nobody@example.com", "order_confirmation"),
+                ("ana@example.com", "order_shipped_v2"),
+                ("lars@fjord.example", "order_confirmation"),
+                ("flaky@example.com", "order_confirmation"),
+                ("flaky@example.com", "order_confirmation"),
+                ("flaky@example.com", "order_confirmation"),
+            ]:
+                try:
+                    outcomes.append(
+                        await ep.send(nc, provider.subject, {"order_id": "o-1", "to": to, "template": template})
+                    )
+                except ep.EmailApiError as exc:
+                    outcomes.append(exc.status)
+                except ConnectionResetError:
+                    outcomes.append("reset")
+            await provider.outage(nc, 30)
+            try:
+                await ep.send(
+                    nc, provider.subject, {"order_id": "o-2", "to": "ana@example.com", "template": "order_shipped"}
+                )
+            except ep.EmailApiError as exc:
+                outcomes.append(exc.status)
+            return outcomes, provider.requests()
+        finally:
+            provider.stop()
+            await nc.close()
+
+    outcomes, requests = asyncio.run(go())
+    assert outcomes[1:] == [422, 400, 502, "reset", 429, outcomes[6], 503]
+    assert str(outcomes[0]).startswith("em_") and str(outcomes[6]).startswith("em_")
+    assert [r.status for r in requests] == [200, 422, 400, 502, 0, 429, 200, 503]
+    assert ep.EmailApiError("503 Service Unavailable: down").status == 503
+
+
+def test_hot_loop_delivers_the_poison_over_and_over(no_nats_url: None, server: EmbeddedServer) -> None:
+    hot = bench_run(server, nak_at_once, ["o-1042 bounce", "o-2001 ok"], seconds=0.5)
+    assert hot.deliveries("o-1042") > 5 and set(hot.answers("o-1042")) == {422}
+    assert hot.sent["o-2001"] == 1 and hot.settles("o-1042")[0] == "nak"
+
+
+def test_dead_letters_once_with_an_id_and_twice_without_after_a_kill(no_nats_url: None, server: EmbeddedServer) -> None:
+    global ID_DEAD_LETTERS
+    twice = bench_run(server, with_dlq, ["o-1042 bounce"], max_deliver=5, kill="after_dead_letter")
+    ID_DEAD_LETTERS = True
+    try:
+        once = bench_run(server, with_dlq, ["o-1042 bounce"], max_deliver=5, kill="after_dead_letter")
+    finally:
+        ID_DEAD_LETTERS = False
+    assert twice.kills == 1 and twice.dlq_count("o-1042") == 2 and twice.duplicates == 0
+    assert once.kills == 1 and once.dlq_count("o-1042") == 1 and once.duplicates == 1
+    entry = once.dlq[0]
+    assert entry.deliveries == "1" and entry.stream_seq == "1" and "422" in entry.reason
+    assert entry.headers["Correlation-Id"] == "corr-o-1042"
+
+
+def test_budget_drops_silently_and_redrive_sends_each_once(no_nats_url: None, server: EmbeddedServer) -> None:
+    inbox = bench_run(
+        server, with_dlq, ["o-1044 template", "o-1045 unreachable", "o-2001 ok"], max_deliver=5,
+        fix=["o-1044", "o-1045"], redrive=redrive, redrive_runs=2,
+    )  # fmt: skip
+    assert [d.order for d in inbox.dlq] == ["o-1044", "o-1045"]
+    assert inbox.dlq[1].deliveries == "5"  # the unreachable server: retried to the end of the budget
+    assert inbox.sent == {"o-1044": 1, "o-1045": 1, "o-2001": 1}
+    assert inbox.ended("o-1044") == "sent"
+
+
+def test_strict_order_stalls_behind_the_poison(no_nats_url: None, server: EmbeddedServer) -> None:
+    line = ["o-1042 bounce", *demo.orders(5)]
+    moving = bench_run(server, with_dlq, line, max_ack_pending=1, max_deliver=5)
+    assert moving.emails_behind_sent("o-1042") == 5 and moving.dlq_count("o-1042") == 1
+    assert moving.first_behind("o-1042") is not None
+    ages = moving.queue_ages("o-1042")
+    assert ages and ages[-1][1] == 0.0  # nobody waits at the end
+
+
+def test_server_facts_the_lesson_shows(server: EmbeddedServer) -> None:
+    async def go() -> tuple[Any, tuple[int, int]]:
+        nc = await connect(server.url)
+        js = nc.jetstream()
+        try:
+            return await demo.consumer_rules(js, DELAYS), await demo.advisory_needs_a_pull(js)
+        finally:
+            await nc.close()
+
+    rules, advisories = asyncio.run(go())
+    assert [row[1] for row in rules.rows] == ["accepted", "accepted", "refused"]
+    assert "ack_wait 0.05 s" in rules.rows[0][2] and "10116" in rules.rows[2][2]
+    assert advisories == (0, 1)
+
+
+def test_the_handler_travels_with_the_helpers_and_constants_it_uses() -> None:
+    folder, path = demo.write_module(with_dlq)
+    try:
+        with open(path) as module:
+            text = module.read()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    assert "async def with_dlq" in text and "async def dead_letter" in text and "def transient" in text
+    assert "DELAYS = [0.05, 0.1, 0.2, 0.4]" in text and "ID_DEAD_LETTERS = False" in text

@@ -1,0 +1,138 @@
+"""Lab 04's grader judged on real runs: the solution passes, the starter and the wrong variants fail
+for their own reasons, the plan replays from the seed, and every planned fault really happens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from msglab.graders import poison_messages as grader
+from msglab.graders.poison_messages import PERMANENT, draw_plan
+from msglab.grading.grade import grade
+
+VARIANTS = Path(__file__).parent / "variants" / "04_poison_messages"
+ALL = {
+    "none_lost",
+    "not_both",
+    "permanent_not_retried",
+    "retries_bounded",
+    "transient_delivered",
+    "backoff_grows",
+    "dlq_once",
+    "dlq_record",
+    "line_keeps_moving",
+    "redrive_once",
+    "faults_fired",
+    "no_unplanned_deaths",
+}
+
+
+def test_solution_passes_every_check(no_nats_url: None) -> None:
+    verdict = grade("04", solution=True, seed=1)
+    assert verdict.passed, verdict.to_text()
+    assert {c.name for c in verdict.checks} == ALL
+
+
+def test_starter_fails_with_the_hot_loop_story(no_nats_url: None) -> None:
+    verdict = grade("04", seed=2)
+    failed = {c.name for c in verdict.failures}
+    assert {"none_lost", "permanent_not_retried", "retries_bounded", "transient_delivered"} <= failed, verdict.to_text()
+    assert all(c.message and c.hint for c in verdict.failures)
+    lost = next(c for c in verdict.failures if c.name == "none_lost")
+    assert "max_deliver moves a message nowhere" in lost.message
+    hot = next(c for c in verdict.failures if c.name == "retries_bounded")
+    assert "nak'ed with no delay" in hot.message and any("nak'ed (delivery 1), no delay" in s for s in hot.trace)
+
+
+@pytest.mark.parametrize(
+    ("variant", "check", "words"),
+    [
+        ("dlq_without_msg_id", "dlq_once", "SIGKILLed right after the DLQ stream confirmed"),
+        ("dlq_msg_id_per_delivery", "dlq_once", "different Nats-Msg-Ids"),
+        ("terms_after_refused_dlq", "none_lost", "refused its dead letter"),
+        ("sleeps_in_handler", "line_keeps_moving", "within one delivery"),
+        ("redrive_without_msg_id", "redrive_once", "after the redrive"),
+        ("every_failure_permanent", "transient_delivered", "says the provider is in trouble"),
+        ("retries_permanent", "permanent_not_retried", "A 4xx status says the request itself is wrong"),
+        ("fixed_delay", "backoff_grows", "the delays your worker asked for"),
+    ],
+)
+def test_wrong_variant_fails_for_its_reason(no_nats_url: None, variant: str, check: str, words: str) -> None:
+    verdict = grade("04", source=VARIANTS / f"{variant}.py", seed=4)
+    failure = next((c for c in verdict.failures if c.name == check), None)
+    assert failure is not None, verdict.to_text()
+    assert words in failure.message, failure.message
+
+
+def test_plan_replays_from_its_seed_and_meets_every_kind() -> None:
+    for seed in range(1, 40):
+        plan = draw_plan(seed)
+        assert plan == draw_plan(seed)
+        kinds = [e.kind for e in plan.emails]
+        assert sorted(kinds) == sorted(["ok"] * 3 + ["flaky"] * 2 + list(PERMANENT) + ["stubborn"] + ["outage"] * 4)
+        assert sum(e.kind in PERMANENT for e in plan.phase(1)[:4]) == 2  # worker #1 meets its faults early
+        assert {plan.get(o).kind for o in plan.redrive} == {"template", "stubborn"}
+        assert all(1 <= len(e.script) <= 2 for e in plan.emails if e.kind == "flaky")
+        malformed = next(e for e in plan.emails if e.kind == "malformed")
+        with pytest.raises(ValueError):
+            json.loads(malformed.payload)
+    assert draw_plan(1) != draw_plan(2)
+
+
+def test_broken_file_fails_with_its_line(no_nats_url: None, tmp_path: Path) -> None:
+    broken = tmp_path / "emails.py"
+    broken.write_text("async def email_worker(env)\n    pass\n")
+    verdict = grade("04", source=broken, seed=1)
+    assert [c.name for c in verdict.checks] == ["file_imports"]
+    assert "emails.py:1" in verdict.checks[0].message
+
+
+def test_every_planned_fault_happens_in_a_solution_run(no_nats_url: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+    collect = grader.Evidence.collect.__func__  # type: ignore[attr-defined]
+
+    async def spy(cls: Any, lab: Any) -> Any:
+        seen["ev"] = await collect(cls, lab)
+        return seen["ev"]
+
+    monkeypatch.setattr(grader.Evidence, "collect", classmethod(spy))
+    verdict = grade("04", solution=True, seed=9)
+    assert verdict.passed, verdict.to_text()
+    ev = seen["ev"]
+    lab = ev.lab
+    first = lab.workers[0]
+    refused = [p for p in lab.publishes if p.name == "dlq_refused" and p.pid == first.pid]
+    assert len(refused) == 1  # the DLQ stream refused worker #1's first dead letter, and only that one
+    assert lab.workers[0].fired and lab.redrivers[0].fired  # both kills
+    assert any(p.name == "dlq_published" and p.detail.get("duplicate") for p in lab.publishes)  # the copy, dropped
+    dead = {e.order for e in ev.plan.emails if e.kind in grader.DEAD}
+    assert sorted(entry.msg.email.order for entry in ev.dlq if not entry.msg.copy_run) == sorted(dead)
+    assert [number for number, *_ in lab.redrive_runs] == [1, 2, 3]
+
+
+def test_playground_lets_a_learner_try_one_poison_email(no_nats_url: None) -> None:
+    import msglab
+
+    async def by_hand(solution: bool) -> tuple[int, list[str]]:
+        env, lab = await msglab.playground("04", solution=solution)
+        try:
+            payload = json.dumps({"order_id": "o-1", "to": "anna@gmial.con", "template": "order_confirmation"})
+            await env.js.publish(env.subject("orders.email"), payload.encode(), headers={"Order-Id": "o-1"})
+            sub = await env.js.pull_subscribe_bind(env.durable("email"), env.stream("EMAILS"))
+            msg = (await sub.fetch(1, timeout=2))[0]
+            await lab.handle(env, msg)
+            dlq = env.stream("EMAILS_DLQ")
+            count = (await env.js.stream_info(dlq)).state.messages
+            reasons = [(await env.js.get_msg(dlq, seq)).headers.get("Dlq-Reason", "") for seq in range(1, count + 1)]
+            return count, reasons
+        finally:
+            await env.provider.stop()
+            await msglab.playground_close(env)
+
+    assert asyncio.run(by_hand(solution=False)) == (0, [])
+    count, reasons = asyncio.run(by_hand(solution=True))
+    assert count == 1 and "422" in reasons[0]
