@@ -1,0 +1,653 @@
+"""Lesson 05's plumbing: fulfilment workers in real processes, a producer with a pace, and the
+queue's depth and age sampled side by side on a live chart.
+
+    shop = await backpressure.Shop.open()          # stream LESSON05_ORDERS, durable "fulfil"
+    await shop.workers(1, work=0.01)               # one worker process: 10 ms an order
+    run = await shop.overload(rate=150, seconds=3) # a producer faster than its consumer, charted live
+    run.depth[-1], run.age[-1]
+
+The workers are `python -m msglab.demos.backpressure` processes: each runs `concurrency` pull
+loops on one durable, spends `work` seconds on an order (inside at most `slots` concurrent calls
+to a warehouse API, when set), and hangs for good on an order whose id is in `hang`. The lesson
+SIGKILLs them for real. Depth and age are measured as the lesson shows: depth is
+num_pending + num_ack_pending; age is now minus the stored time of the first message after the
+durable's ack floor, on the durable's own subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+STREAM = "LESSON05_ORDERS"  # the shop's orders: lesson05.orders.placed, lesson05.import.*, lesson05.pin
+INTAKE = "LESSON05_INTAKE"  # the bounded intake of section 3 (work-queue retention, discard-new)
+STREAMS = (STREAM, INTAKE)
+SUBJECT = "lesson05.orders.placed"
+DURABLE = "fulfil"
+ACK_WAIT = 0.5  # seconds; production uses 30 s or more, a lesson cannot wait that long
+STREAM_FULL = 10077  # the err_code of a publish refused by a full stream with discard-new
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+async def depth_and_age(js: Any, stream: str, durable: str, subject: str) -> tuple[int, float]:
+    """(queue depth, queue age in seconds) of one durable, as the lesson measures them."""
+    from nats.js.errors import NotFoundError
+
+    info = await js.consumer_info(stream, durable)
+    depth = info.num_pending + info.num_ack_pending
+    try:
+        oldest = await js.get_msg(stream, info.ack_floor.stream_seq + 1, subject=subject, next=True)
+    except NotFoundError:
+        return depth, 0.0
+    return depth, max(0.0, time.time() - oldest.time.timestamp())
+
+
+def status(window: Sequence[tuple[float, float]], budget: float) -> str:
+    """OK / WARNING / ERROR from (time, age) samples, oldest first: the level, then the trend."""
+    (t0, age0), (t1, age1) = window[0], window[-1]
+    if age1 >= budget:
+        return "ERROR"  # the promise is broken now
+    if t1 > t0 and age1 - age0 >= 0.5 * (t1 - t0):
+        return "WARNING"  # the oldest order ages at least half as fast as the clock
+    return "OK"
+
+
+@dataclass
+class Series:
+    """Depth and age of one queue over time (t in seconds since the run began)."""
+
+    name: str
+    t: list[float] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    age: list[float] = field(default_factory=list)
+
+    def add(self, t: float, depth: int, age: float) -> None:
+        self.t.append(t)
+        self.depth.append(depth)
+        self.age.append(age)
+
+    def statuses(self, budget: float, window: float) -> list[str]:
+        """The status at every sample, each from the samples of the `window` seconds before it."""
+        out = []
+        for i, now in enumerate(self.t):
+            first = next(j for j in range(i + 1) if self.t[j] >= now - window)
+            out.append(status(list(zip(self.t[first : i + 1], self.age[first : i + 1], strict=True)), budget))
+        return out
+
+    def first(self, wanted: str, budget: float, window: float) -> float | None:
+        """When the status first became `wanted`, or None."""
+        for t, s in zip(self.t, self.statuses(budget, window), strict=True):
+            if s == wanted:
+                return t
+        return None
+
+
+# --- the live chart ------------------------------------------------------------------------------
+
+
+class LiveChart:
+    """Depth and age side by side, redrawn in place while a run samples (a static figure outside Jupyter)."""
+
+    COLOURS = ("#0969da", "#cf222e", "#1a7f37", "#bf8700")
+
+    def __init__(self, title: str, series: Sequence[Series], budget: float | None = None) -> None:
+        import matplotlib.pyplot as plt
+
+        self.series = list(series)
+        self.budget = budget
+        self.fig, (self.ax_depth, self.ax_age) = plt.subplots(1, 2, figsize=(9, 3), layout="constrained")
+        plt.close(self.fig)
+        self.fig.suptitle(title, fontsize=10)
+        self.handle: Any = None
+        self._next_draw = 0.0
+        self.marks: dict[str, float] = {}  # label -> seconds: a dotted line on both panels
+
+    def show(self) -> None:
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+        except ImportError:
+            return
+        if get_ipython() is not None:
+            self._draw()
+            self.handle = display(self.fig, display_id=True)
+            self._next_draw = time.monotonic() + 0.5  # the first frame cost the most: give the run a head start
+
+    def draw(self, force: bool = False) -> None:
+        """Redraw; while a run samples, at most a sixth of the time goes to drawing (a slow machine draws less)."""
+        if not force and time.monotonic() < self._next_draw:
+            return
+        started = time.monotonic()
+        self._draw()
+        took = time.monotonic() - started
+        self._next_draw = time.monotonic() + max(0.5, 5 * took)
+
+    def _draw(self) -> None:
+        for ax in (self.ax_depth, self.ax_age):
+            ax.clear()
+        for colour, s in zip(self.COLOURS, self.series, strict=False):
+            self.ax_depth.plot(s.t, s.depth, color=colour, label=s.name)
+            self.ax_age.plot(s.t, s.age, color=colour, label=s.name)
+        self.ax_depth.set(xlabel="seconds", ylabel="orders waiting", title="queue depth")
+        self.ax_depth.yaxis.get_major_locator().set_params(integer=True)
+        self.ax_age.set(xlabel="seconds", ylabel="seconds", title="queue age (oldest unfinished order)")
+        if self.budget is not None:
+            self.ax_age.axhline(self.budget, color="#8c959f", linestyle="--", label=f"budget {self.budget:g} s")
+        for label, at in self.marks.items():
+            for ax in (self.ax_depth, self.ax_age):
+                ax.axvline(at, color="#cf222e", linestyle=":")
+                ax.annotate(label, (at, 0), xytext=(3, 3), textcoords="offset points", color="#cf222e", fontsize=8)
+        for ax in (self.ax_depth, self.ax_age):
+            ax.set_ylim(bottom=0)
+            if len(self.series) > 1 or (ax is self.ax_age and self.budget is not None):
+                ax.legend(loc="upper left", frameon=False, fontsize=8)
+        if self.handle is not None:
+            self.handle.update(self.fig)
+
+
+# --- the worker processes ---------------------------------------------------------------------------
+
+
+class Workers:
+    """One worker process on a durable: `concurrency` pull loops, each order taking `work` seconds."""
+
+    def __init__(self, proc: Any, config: dict[str, Any]) -> None:
+        self.proc = proc
+        self.config = config
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    async def start(cls, durable: str, *, concurrency: int = 1, work: float = 0.0, slots: int = 0,
+                    hang: Sequence[str] = (), batch: int = 1, stream: str = STREAM) -> Workers:  # fmt: skip
+        from msglab.broker import server_url
+        from msglab.broker.server import die_with_parent
+
+        config = {"url": server_url(), "stream": stream, "durable": durable, "concurrency": concurrency,
+                  "work": work, "slots": slots, "hang": list(hang), "ack_wait": ACK_WAIT, "batch": batch}  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "msglab.demos.backpressure", json.dumps(config),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+            preexec_fn=lambda: die_with_parent(signal.SIGKILL),
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        if line.strip() != b"ready":
+            proc.kill()
+            raise RuntimeError(f"the worker process did not start: {line!r}")
+        return cls(proc, config)
+
+    async def set(self, **changes: Any) -> None:
+        """Change concurrency, work or hang while it runs; returns once the process has taken it."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.config.update(changes)
+        self.proc.stdin.write((json.dumps(changes) + "\n").encode())
+        await self.proc.stdin.drain()
+        await asyncio.wait_for(self.proc.stdout.readline(), 10)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no ack; what it held comes back after ack_wait."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        self.kill()
+        await self.proc.wait()
+
+
+async def _worker_main(config: dict[str, Any]) -> None:
+    """The worker process: pull loops on the durable; a command on stdin changes them, answered with "ok"
+    once every loop it stopped has finished the order in its hands."""
+    import nats
+
+    nc = await nats.connect(config["url"], name="lesson05-worker")
+    js = nc.jetstream()
+    slots = asyncio.Semaphore(config["slots"]) if config["slots"] else None
+    state: dict[str, Any] = {"concurrency": config["concurrency"], "work": config["work"],
+                             "hang": set(config["hang"]), "changed": asyncio.Event()}  # fmt: skip
+    loops = 16
+    parked = [False] * loops
+
+    async def handle(msg: Any) -> None:
+        try:
+            oid = json.loads(msg.data).get("id")
+        except ValueError:
+            oid = None
+        while oid in state["hang"]:  # stuck on this order: retrying a call that never succeeds,
+            await msg.in_progress()  # and telling the broker "still on it", so it is never redelivered
+            await asyncio.sleep(config["ack_wait"] / 3)
+        if slots is not None:
+            async with slots:  # the warehouse API takes this many calls at once
+                await asyncio.sleep(state["work"])
+        elif state["work"]:
+            await asyncio.sleep(state["work"])
+        await msg.ack_sync()
+
+    async def loop(i: int, sub: Any) -> None:
+        while True:
+            if i >= state["concurrency"]:
+                parked[i] = True
+                await state["changed"].wait()
+                parked[i] = False
+                continue
+            try:
+                msgs = await sub.fetch(config["batch"], timeout=0.2)
+            except TimeoutError:
+                continue
+            for msg in msgs:
+                await handle(msg)
+
+    async def commands() -> None:
+        reader = asyncio.StreamReader()
+        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            update = json.loads(line)
+            if "hang" in update:
+                update["hang"] = set(update["hang"])
+            changed = state["changed"]
+            state.update(update, changed=asyncio.Event())
+            changed.set()
+            for _ in range(200):  # at most 2 s: a stopped loop finishes the fetch and the order it has
+                if all(parked[i] for i in range(state["concurrency"], loops)):
+                    break
+                await asyncio.sleep(0.01)
+            print("ok", flush=True)
+
+    subs = [await js.pull_subscribe_bind(config["durable"], config["stream"]) for _ in range(loops)]
+    tasks = [asyncio.ensure_future(loop(i, sub)) for i, sub in enumerate(subs)]
+    print("ready", flush=True)
+    await commands()  # stdin closes when the lesson goes away
+    for task in tasks:
+        task.cancel()
+
+
+# --- the shop ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One experiment: what the producer did, and the queues' depth and age over time."""
+
+    series: list[Series]
+    published: int = 0
+    refused: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    marks: dict[str, float] = field(default_factory=dict)  # events (a SIGKILL, ...) at seconds into the run
+
+    @property
+    def main(self) -> Series:
+        return self.series[0]
+
+    @property
+    def depth(self) -> list[int]:
+        return self.main.depth
+
+    @property
+    def age(self) -> list[float]:
+        return self.main.age
+
+    def __repr__(self) -> str:
+        s = self.main
+        return (
+            f"{self.published} orders accepted, {self.refused} refused, {self.errors} publish errors in "
+            f"{self.seconds:.1f} s; at the end: depth {s.depth[-1]}, age {s.age[-1]:.2f} s "
+            f"(highest: depth {max(s.depth)}, age {max(s.age):.2f} s)"
+        )
+
+
+class Shop:
+    """The lesson's stream, its fulfilment durable and worker processes, and the experiments."""
+
+    def __init__(self, nc: Any, js: Any) -> None:
+        self.nc = nc
+        self.js = js
+        self.pool: Workers | None = None
+        self.others: list[Workers] = []
+        self.scaler: Workers | None = None
+        self.saved: dict[str, Any] = {}
+        self.next_id = 0
+
+    @classmethod
+    async def open(cls) -> Shop:
+        """A fresh stream LESSON05_ORDERS (lesson05.>) and the durable 'fulfil' on its orders."""
+        from msglab.broker import connect, delete_stream
+
+        nc = await connect(name="lesson05-shop")
+        js = nc.jetstream()
+        for name in STREAMS:
+            await delete_stream(js, name)  # in case an earlier run stopped halfway
+        await js.add_stream(name=STREAM, subjects=["lesson05.>"])
+        shop = cls(nc, js)
+        await shop.durable(DURABLE, SUBJECT)
+        return shop
+
+    async def durable(self, name: str, subject: str, **config: Any) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        config.setdefault("ack_wait", ACK_WAIT)
+        await self.js.add_consumer(
+            STREAM, ConsumerConfig(durable_name=name, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, **config)
+        )
+
+    async def workers(self, concurrency: int, work: float = 0.0, slots: int = 0) -> Workers:
+        """The fulfilment workers: one process, started once, then changed in place."""
+        if self.pool is None:
+            self.pool = await Workers.start(DURABLE, concurrency=concurrency, work=work, slots=slots)
+        else:
+            await self.pool.set(concurrency=concurrency, work=work)
+        return self.pool
+
+    async def measure(self, durable: str = DURABLE, subject: str = SUBJECT) -> tuple[int, float]:
+        return await depth_and_age(self.js, STREAM, durable, subject)
+
+    def order(self, prefix: str = "o") -> bytes:
+        self.next_id += 1
+        return json.dumps({"id": f"{prefix}-{self.next_id:05d}", "sku": "sku-42", "qty": 1}).encode()
+
+    async def _publish_many(self, subject: str, count: int, prefix: str) -> None:
+        """`count` orders at once (a core publish each, then a flush), returned once the stream holds them."""
+        before = (await self.js.stream_info(STREAM)).state.messages
+        for _ in range(count):
+            await self.nc.publish(subject, self.order(prefix))
+        await self.nc.flush()
+        for _ in range(400):
+            if (await self.js.stream_info(STREAM)).state.messages >= before + count:
+                return
+            await asyncio.sleep(0.005)
+
+    async def drain(self) -> None:
+        """Let the fulfilment workers finish everything (briefly eight of them, no work), then restore them."""
+        assert self.pool is not None
+        saved = {k: self.pool.config[k] for k in ("concurrency", "work")}
+        await self.pool.set(concurrency=8, work=0.0)
+        for _ in range(500):
+            depth, _ = await self.measure()
+            if depth == 0:
+                break
+            await asyncio.sleep(0.02)
+        await self.pool.set(**saved)
+
+    async def _sample(self, series: list[tuple[Series, str, str]], t0: float, chart: LiveChart | None) -> None:
+        for s, durable, subject in series:
+            depth, age = await self.measure(durable, subject)
+            s.add(time.monotonic() - t0, depth, age)
+        if chart is not None:
+            chart.draw()
+
+    # -- section 1 and 3: a producer faster than its consumer, with or without an admission check
+
+    async def overload(self, rate: float, seconds: float, budget: float | None = None, every: float = 0.1) -> Run:
+        """Publish orders at `rate` a second for `seconds`, sampling depth and age; with `budget`, refuse
+        an order (count it, do not publish it) while the queue age is over the budget."""
+        await self.drain()
+        series = Series("fulfil")
+        run = Run([series])
+        title = f"{rate:g} orders/s" + (f", refused while the age is over {budget:g} s" if budget else ", all accepted")
+        chart = LiveChart(title, [series], budget)
+        chart.show()
+        t0 = time.monotonic()
+
+        async def produce() -> None:
+            n = 0
+            while (now := time.monotonic() - t0) < seconds:
+                due = n / rate
+                if now < due:
+                    await asyncio.sleep(due - now)
+                n += 1
+                if budget is not None and (await self.measure())[1] > budget:
+                    run.refused += 1  # "busy, try later": the customer hears it now
+                    continue
+                try:
+                    await self.js.publish(SUBJECT, self.order())
+                    run.published += 1
+                except Exception:
+                    run.errors += 1
+
+        producer = asyncio.ensure_future(produce())
+        while not producer.done():
+            await self._sample([(series, DURABLE, SUBJECT)], t0, chart)
+            await asyncio.sleep(every)
+        await producer
+        await self._sample([(series, DURABLE, SUBJECT)], t0, chart)
+        chart.draw(force=True)
+        run.seconds = time.monotonic() - t0
+        return run
+
+    # -- section 2: the same depth, two speeds; one stuck order; a pinned ack floor
+
+    async def same_depth(self, orders: int, seconds: float, slow_work: float = 0.5) -> Run:
+        """Two queues get the same import of `orders` at once: eight quick workers drain one, a single
+        worker taking `slow_work` s an order the other. Sampled for `seconds`, and on until the quick
+        one is empty (at most 5 s more, for a slow machine)."""
+        fast, slow = Series("eight quick workers"), Series(f"one worker, {slow_work:g} s an order")
+        for name in ("fast", "slow"):
+            await self.durable(name, f"lesson05.import.{name}", ack_wait=30)
+        pools = [  # idle until both imports are stored
+            await Workers.start("fast", concurrency=0, batch=25),
+            await Workers.start("slow", concurrency=0, work=slow_work),
+        ]
+        self.others += pools
+        for name in ("fast", "slow"):
+            await self._publish_many(f"lesson05.import.{name}", orders, name)
+        chart = LiveChart(f"the same import of {orders:,} orders, two speeds", [fast, slow])
+        chart.show()
+        watched = [(fast, "fast", "lesson05.import.fast"), (slow, "slow", "lesson05.import.slow")]
+        t0 = time.monotonic()
+        await self._sample(watched, t0, chart)
+        await pools[0].set(concurrency=8)
+        await pools[1].set(concurrency=1)
+        while time.monotonic() - t0 < seconds or (fast.depth[-1] and time.monotonic() - t0 < seconds + 5):
+            await asyncio.sleep(0.1)
+            await self._sample(watched, t0, chart)
+        chart.draw(force=True)
+        run = Run([fast, slow], published=2 * orders, seconds=time.monotonic() - t0)
+        for pool in pools:
+            await pool.close()
+        return run
+
+    async def one_stuck(self, rate: float, hang: float, settle: float = 5.0) -> Run:
+        """Orders trickle in at `rate` a second and two workers keep up; a worker in a process of its own is
+        stuck on one order (retrying, and telling the broker it is still on it). After `hang` seconds that
+        process is SIGKILLed; sampled until the order is done (at most `settle` s more)."""
+        await self.drain()
+        series = Series("fulfil")
+        run = Run([series])
+        chart = LiveChart(f"{rate:g} orders/s, two workers keep up; a third is stuck on one order", [series])
+        chart.show()
+        hung = await Workers.start(DURABLE, concurrency=1, hang=["o-bad"])
+        self.others.append(hung)
+        assert self.pool is not None
+        saved = {k: self.pool.config[k] for k in ("concurrency", "work")}
+        await self.pool.set(concurrency=0)  # the stuck process takes the bad order first
+        t0 = time.monotonic()
+        await self.js.publish(SUBJECT, json.dumps({"id": "o-bad", "sku": "sku-13", "qty": 1}).encode())
+        for _ in range(200):
+            if (await self.js.consumer_info(STREAM, DURABLE)).num_ack_pending:
+                break
+            await asyncio.sleep(0.01)
+        await self.pool.set(concurrency=2, work=0.005)
+
+        flowing = True
+
+        async def trickle() -> None:
+            while flowing:
+                await self.js.publish(SUBJECT, self.order())
+                run.published += 1
+                await asyncio.sleep(1 / rate)
+
+        producer = asyncio.ensure_future(trickle())
+        try:
+            while time.monotonic() - t0 < hang:
+                await self._sample([(series, DURABLE, SUBJECT)], t0, chart)
+                await asyncio.sleep(0.1)
+            hung.kill()  # a real SIGKILL: the order it held comes back after ack_wait
+            run.marks["SIGKILL"] = time.monotonic() - t0
+            while time.monotonic() - t0 < hang + settle:
+                await self._sample([(series, DURABLE, SUBJECT)], t0, chart)
+                if series.t[-1] - run.marks["SIGKILL"] > ACK_WAIT and series.age[-1] < 0.1:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            # Told to stop, not cancelled: nats-py 2.16 can swallow a cancellation inside a publish.
+            flowing = False
+            await asyncio.wait([producer], timeout=10)
+        await hung.close()
+        self.others.remove(hung)
+        await self.pool.set(**saved)
+        chart.marks = dict(run.marks)
+        chart.draw(force=True)
+        run.seconds = time.monotonic() - t0
+        return run
+
+    async def pinned_floor(self, wait: float = 0.6) -> dict[str, Any]:
+        """A durable with max_deliver=1: its one delivery is never acked, ack_wait runs out."""
+        await self.durable("pin", "lesson05.pin", ack_wait=0.2, max_deliver=1)
+        sub = await self.js.pull_subscribe_bind("pin", STREAM)
+        await self.js.publish("lesson05.pin", self.order("p"))
+        await sub.fetch(1, timeout=1)  # delivered once, never acked: it will not be delivered again
+        await asyncio.sleep(wait)  # ack_wait (0.2 s) runs out, and more
+        depth, age = await self.measure("pin", "lesson05.pin")
+        await self.js.publish("lesson05.pin", self.order("p"))
+        for msg in await sub.fetch(1, timeout=1):
+            await msg.ack_sync()  # the next ack on the durable
+        after = await self.measure("pin", "lesson05.pin")
+        await sub.unsubscribe()
+        return {"depth": depth, "age": age, "depth after the next ack": after[0], "age after": after[1]}
+
+    # -- section 3: scale the consumers
+
+    async def _processed(self) -> tuple[float, int]:
+        """(now, orders the durable has seen acked so far): deliveries minus those still unacked."""
+        info = await self.js.consumer_info(STREAM, DURABLE)
+        return time.monotonic(), info.delivered.consumer_seq - info.num_ack_pending
+
+    async def scale_out(self, counts: Sequence[int], slots: int, work: float, window: float = 0.8) -> dict[int, float]:
+        """Orders per second with 1, 2, 4, ... workers on one durable, when every order needs a call to a
+        warehouse API that takes `slots` calls at once, `work` seconds each (counted on the server)."""
+        scaler = self.scaler = await Workers.start(DURABLE, concurrency=0, work=work, slots=slots)
+        self.others.append(scaler)
+        assert self.pool is not None
+        self.saved = {k: self.pool.config[k] for k in ("concurrency", "work")}
+        await self.pool.set(concurrency=0)  # only the scaled workers take orders now
+        needed = sum(min(n, slots) / work for n in counts) * (window + 0.3) * 1.5 + 50  # never runs dry
+        await self._publish_many(SUBJECT, int(needed), "s")
+        result = {}
+        try:
+            for n in counts:
+                await scaler.set(concurrency=n)
+                await asyncio.sleep(0.15)  # the workers get going
+                t0, done0 = await self._processed()
+                await asyncio.sleep(window)
+                t1, done1 = await self._processed()
+                result[n] = (done1 - done0) / (t1 - t0)
+        finally:
+            await scaler.set(concurrency=0)
+        return result
+
+    async def in_flight(self, workers: int, max_ack_pending: int | None, slots: int, work: float,
+                        seconds: float = 0.8) -> dict[str, float]:  # fmt: skip
+        """With `workers` workers and max_ack_pending as given: the most orders handed out and not yet
+        acked at once (sampled), and orders per second."""
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        limit = max_ack_pending or 1000  # JetStream's default
+        config = ConsumerConfig(durable_name=DURABLE, filter_subject=SUBJECT, ack_policy=AckPolicy.EXPLICIT,
+                                ack_wait=ACK_WAIT, max_ack_pending=limit)  # fmt: skip
+        await self.js.add_consumer(STREAM, config)  # add_consumer on an existing durable updates it
+        scaler = self.scaler
+        assert scaler is not None
+        await scaler.set(concurrency=workers, work=work)
+        peak = 0
+        t0, done0 = await self._processed()
+        try:
+            while time.monotonic() - t0 < seconds:
+                info = await self.js.consumer_info(STREAM, DURABLE)
+                peak = max(peak, info.num_ack_pending)
+                await asyncio.sleep(0.02)
+            t1, done1 = await self._processed()
+        finally:
+            await scaler.set(concurrency=0)
+        return {"most in flight": peak, "orders/s": round((done1 - done0) / (t1 - t0), 1)}
+
+    async def reset(self) -> None:
+        """After scale_out: stop its workers, throw away the rest of its backlog, restore max_ack_pending
+        and the fulfilment workers as they were."""
+        if self.scaler is not None:
+            await self.scaler.close()
+            self.others.remove(self.scaler)
+            self.scaler = None
+        await self.js.purge_stream(STREAM, subject=SUBJECT)
+        await self.durable(DURABLE, SUBJECT, max_ack_pending=1000)
+        if self.pool is not None and self.saved:
+            await self.pool.set(**self.saved)
+        for _ in range(100):
+            if (await self.measure())[0] == 0:
+                return
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Stop every worker process, delete the lesson's streams, close the connection."""
+        from msglab.broker import delete_stream
+
+        for pool in [*self.others, *([self.pool] if self.pool else [])]:
+            await pool.close()
+        for name in STREAMS:
+            await delete_stream(self.js, name)
+        await self.nc.close()
+
+
+async def bounded_intake(js: Any, limit: int) -> None:
+    """The stream LESSON05_INTAKE: work-queue retention (an acked order is deleted), at most `limit`
+    orders, and a publish over the limit is refused (discard-new)."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy
+
+    from msglab.broker import delete_stream
+
+    await delete_stream(js, INTAKE)
+    await js.add_stream(
+        name=INTAKE, subjects=["lesson05intake.>"], retention=RetentionPolicy.WORK_QUEUE, max_msgs=limit,
+        discard=DiscardPolicy.NEW,
+    )  # fmt: skip
+
+
+def status_chart(runs: Sequence[tuple[str, Series]], budget: float, window: float) -> Any:
+    """Each run's queue age with its status (OK / WARNING / ERROR) painted behind it."""
+    import matplotlib.pyplot as plt
+
+    colours = {"OK": "#dafbe1", "WARNING": "#fff8c5", "ERROR": "#ffebe9"}
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 2.8), layout="constrained", squeeze=False)
+    plt.close(fig)
+    for ax, (title, s) in zip(axes[0], runs, strict=True):
+        statuses = s.statuses(budget, window)
+        for i, st in enumerate(statuses):
+            end = s.t[i + 1] if i + 1 < len(s.t) else s.t[i] + 0.1
+            ax.axvspan(s.t[i], end, color=colours[st], linewidth=0)
+        ax.plot(s.t, s.age, color="#24292f")
+        ax.axhline(budget, color="#8c959f", linestyle="--")
+        ax.set(title=title, xlabel="seconds", ylabel="queue age, s")
+        ax.set_ylim(bottom=0)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    fig.legend(handles, list(colours), loc="outside right center", frameon=False, fontsize=8)
+    return fig
+
+
+def main(argv: Sequence[str] | None = None, run: Callable[..., Any] = asyncio.run) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    run(_worker_main(json.loads(args[0])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1284 @@
+"""Lab 05 grader: a queue-age monitor, and an order intake that says "busy" instead of a promise it cannot keep.
+
+The shop (played by the grader, out of the learner's reach): the stream ORDERS (`orders.>`), which
+also stores `orders.cancelled` events that the fulfilment durable 'fulfil' does not read, and the
+fulfilment workers on that durable (tasks of the grader's own, so it knows to the millisecond when
+each order was acked). The learner's file runs in three processes: a monitor (the grader samples
+`queue_age` and `queue_status` about every 50 ms, all run long) and two intake processes
+(`place_order`; A is SIGKILLed right after it answered "accepted" for its k-th order, B takes over).
+
+Workload (seeded), each phase ended by what the grader sees, with a cap:
+  0. quiet: nothing waits; `orders.cancelled` events arrive every 0.1 s from here on;
+  1. deep but fast: the workers stop, an import of 400-600 orders lands at once, the monitor is
+     sampled and three orders are placed (the queue is deep, its oldest order a few ms old), then
+     eight workers drain it in a moment;
+  2. over capacity: one slow worker (50 ms an order) while customers place orders back to back;
+     intake A is SIGKILLed right after its k-th acceptance (k from the seed, 4-9, counting phase 1's);
+  3. stall: the workers stop; orders keep coming until the queue age is well over the budget;
+  4. scale up: six workers drain the backlog; orders keep coming until the age has fallen back;
+     then the stream refuses every publish (full, discard-new) for 2-4 orders, and accepts again;
+  5. shallow but stuck: two workers keep up with a trickle of orders, but one order is held by a
+     worker that hangs on it, until its age is well over the budget; then it is let go;
+  6. eight workers drain everything.
+
+Invariants, judged against the grader's own record of when each order was stored (the stream's
+timestamps) and acked (sent and confirmed, by its own workers), never against what the learner
+prints: the reported age lies between the least and the most the true age could have been while the
+call ran (plus 80 ms); a deep queue with a young head is never ERROR, a shallow queue with an old
+head is ERROR; the status follows the rule in the README for every window it is given; orders are
+refused exactly when the age was over the budget (judged only where the age was clearly over or
+under it for the whole call), never answered with an exception, always refused while the stream is
+full; every accepted order is in the stream and processed, also the one accepted right before the
+SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from nats.errors import Error as NatsError
+
+from msglab.grading.harness import Child, Reply, Run
+from msglab.grading.labkit import provision
+from msglab.grading.nemesis import Crash, rng
+from msglab.grading.observe import refuse_publishes
+from msglab.grading.verdict import Check
+
+STREAM = "ORDERS"
+SUBJECT = "orders.placed"  # what the durable delivers
+CANCELLED = "orders.cancelled"  # stored in the same stream, read by nobody here
+DURABLE = "fulfil"
+ACK_WAIT = 30.0  # seconds; long, so no order is delivered twice while the grader holds or stalls it
+BUDGET = 0.5  # env.age_budget: the promise "handled within half a second" (production: minutes)
+WINDOW = 0.25  # env.trend_window: queue_status is given the samples of the last quarter second
+PARAMS = {"age_budget": BUDGET, "trend_window": WINDOW}
+AGE_TOLERANCE = 0.08  # a reported age may be this far outside what the true age could have been
+CLEAR = 0.15  # "clearly" under or over the budget, for the monitor's status
+INTAKE_CLEAR = 0.1  # ... and for the intake's answers
+DEEP, SHALLOW = 100, 5  # a deep queue holds at least this many orders; a shallow one at most this many
+CALL_DEADLINE = 3.0  # after this the grader declares a call hung and stops the process (calls take ms)
+SAMPLE_GAP = 0.04  # pause between two monitor samples
+ORDER_GAP = 0.01  # pause between two orders placed by the customers
+WORK_SLOW = 0.05  # seconds a slow worker spends on an order in phase 2
+CANCEL_EVERY = 0.1
+QUIET = 0.3  # phase 0 lasts until the first cancellation has been in the stream this long
+PHASE_CAP = 3.0  # no phase waits longer than this for its condition
+STATUSES = ("OK", "WARNING", "ERROR")
+ACCEPTED, BUSY = "accepted", "busy"
+
+
+class Sample(NamedTuple):
+    """One reading of the monitor: when (time.time()), the queue's age (seconds) and its depth (orders)."""
+
+    t: float
+    age: float
+    depth: int
+
+
+def expected_status(samples: list[Sample], budget: float) -> str:
+    """The README's rule: ERROR at or over the budget; WARNING when the age grew by half the window's span."""
+    newest = samples[-1]
+    if newest.age >= budget:
+        return "ERROR"
+    span = newest.t - samples[0].t
+    if len(samples) >= 2 and span > 0 and newest.age - samples[0].age >= 0.5 * span:
+        return "WARNING"
+    return "OK"
+
+
+def _borderline(samples: list[Sample], budget: float) -> bool:
+    """Too close to a boundary of the rule for rounding not to decide it: not judged."""
+    newest = samples[-1]
+    if abs(newest.age - budget) <= 1e-6 * max(1.0, budget):
+        return True
+    span = newest.t - samples[0].t
+    return len(samples) >= 2 and abs((newest.age - samples[0].age) - 0.5 * span) <= 1e-6 * max(1.0, span)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+# --- what runs inside the learner's processes ------------------------------------------------
+
+
+def _depth_reader(env: Any) -> Any:
+    async def depth() -> int:
+        info = await env.js.consumer_info(env.stream(STREAM), env.durable(DURABLE))
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+    return depth
+
+
+def ops_monitor(env: Any, learner: Any) -> dict[str, Any]:
+    """The monitor: each `sample` measures the age (yours) and the depth (the course's), then asks your status."""
+    from msglab.grading.runner import describe
+
+    source = os.environ.get("MSGLAB_SOURCE", "")
+    history: list[Sample] = []
+    depth = _depth_reader(env)
+    env.Sample = Sample
+
+    async def sample() -> dict[str, Any]:
+        try:
+            raw = await learner.queue_age(env)
+        except Exception as exc:
+            return {"failed": "queue_age", **describe(exc, source)}
+        age = _number(raw)
+        if age is None:
+            return {"failed": "queue_age", "error": "", "message": f"queue_age returned {raw!r}, not a number"}
+        now = time.time()
+        history.append(Sample(now, age, await depth()))
+        del history[: max(0, len(history) - 200)]
+        window = [s for s in history if s.t >= now - WINDOW]
+        try:
+            status = learner.queue_status(list(window), BUDGET)
+        except Exception as exc:
+            return {"failed": "queue_status", "age": age, "window": [list(s) for s in window], **describe(exc, source)}
+        return {"age": age, "status": status if isinstance(status, str) else repr(status),
+                "window": [list(s) for s in window]}  # fmt: skip
+
+    async def status(samples: list[list[float]], budget: float) -> Any:
+        value = learner.queue_status([Sample(float(t), float(a), int(d)) for t, a, d in samples], budget)
+        return value if isinstance(value, str) else repr(value)
+
+    return {"sample": sample, "status": status}
+
+
+def ops_intake(env: Any, learner: Any) -> dict[str, Any]:
+    """The order intake: the grader places one order at a time; each answer is told to the grader at once.
+
+    The answer is an effect the grader records before anything else runs in this process, so a
+    SIGKILL planned "after accepted" lands right after the customer was told "accepted".
+    """
+    from msglab.grading.runner import describe
+
+    source = os.environ.get("MSGLAB_SOURCE", "")
+
+    async def place_order(order: dict[str, Any]) -> dict[str, Any]:
+        oid = str(order.get("id"))
+        try:
+            result = await learner.place_order(env, order)
+        except Exception as exc:
+            info = describe(exc, source)
+            env.world.call("failed", oid, **info)
+            return {"outcome": "failed", **info}
+        if result == ACCEPTED:
+            env.world.call("accepted", oid)
+            return {"outcome": ACCEPTED}
+        if result == BUSY:
+            env.world.call("busy", oid)
+            return {"outcome": BUSY}
+        env.world.call("other", oid, value=repr(result)[:200])
+        return {"outcome": "other", "value": repr(result)[:200]}
+
+    return {"place_order": place_order}
+
+
+# --- the fulfilment workers (the grader's, and the lab notebook's) -----------------------------
+
+
+@dataclass
+class Handled:
+    """One order message as the fulfilment workers saw it."""
+
+    seq: int
+    ts: float  # when the stream stored it (the server's clock)
+    order_id: str | None
+    ack_sent: float = math.inf  # grader clock: the ack left the worker ...
+    ack_done: float = math.inf  # ... and the server confirmed it
+
+
+class Fulfilment:
+    """The shop's fulfilment workers on the durable: `scale(n, work)` sets how many take orders and how
+    long each order takes; `scale(0)` stalls them (an order in hand is finished). An order whose id is
+    in `stuck` is held by the worker that took it, unacked, until `release()`."""
+
+    def __init__(self, js: Any, stream: str, durable: str) -> None:
+        self.js = js
+        self.stream = stream
+        self.durable = durable
+        self.active = 0
+        self.work = 0.0
+        self.busy = 0
+        self.stuck: set[str] = set()
+        self.seen: dict[int, Handled] = {}
+        self.held: list[Any] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._release = asyncio.Event()
+        self.closed = False
+        self.parked = False  # the fetcher waits for a free worker: no fetch of ours is under way
+
+    async def start(self, workers: int = 2, work: float = 0.0) -> Fulfilment:
+        self.sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
+        self.scale(workers, work)
+        self._task = asyncio.ensure_future(self._fetch())
+        return self
+
+    def scale(self, workers: int, work: float | None = None) -> None:
+        """Let `workers` workers take orders (0 stalls them all), each spending `work` seconds on one."""
+        self.active = max(0, int(workers))
+        if work is not None:
+            self.work = float(work)
+        self._poke()
+
+    async def stall(self, deadline: float = PHASE_CAP) -> None:
+        """Stop taking orders, and return once no worker holds one and no fetch is under way."""
+        self.scale(0)
+        end = time.monotonic() + deadline
+        while not (self.parked and self.busy == 0) and time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, end - time.monotonic()))
+
+    def release(self) -> None:
+        """Let go of every held order: the worker finishes it and acks it."""
+        self.stuck.clear()
+        self._release.set()
+
+    @property
+    def idle(self) -> bool:
+        return self.busy == 0
+
+    async def close(self) -> None:
+        self.closed = True
+        self._release.set()
+        tasks = [t for t in [self._task, *self._jobs] if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:  # bounded: a cancellation nats-py swallows must not hold the run (see _stop)
+            await asyncio.wait(tasks, timeout=CALL_DEADLINE)
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _fetch(self) -> None:
+        while not self.closed:
+            free = self.active - self.busy
+            if free <= 0:
+                self.parked = True
+                self._poke()  # whoever waits for the workers to stall
+                await self._changed.wait()
+                self.parked = False
+                continue
+            try:
+                msgs = await self.sub.fetch(min(free, 32), timeout=0.1)
+            except TimeoutError:
+                continue
+            except Exception:  # the run is over (connection closed, stream deleted)
+                if self.closed or self.js._nc.is_closed:
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            for msg in msgs:
+                self.busy += 1
+                job = asyncio.ensure_future(self._handle(msg))
+                self._jobs.add(job)
+                job.add_done_callback(self._jobs.discard)
+
+    async def _handle(self, msg: Any) -> None:
+        try:
+            meta = msg.metadata
+            seq = meta.sequence.stream
+            record = self.seen.get(seq)
+            if record is None:
+                record = self.seen[seq] = Handled(seq, meta.timestamp.timestamp(), _order_id(msg.data))
+            if record.order_id in self.stuck:
+                self.held.append(msg)
+                await self._release.wait()  # the worker hangs on this one order
+            if self.work:
+                await asyncio.sleep(self.work)
+            sent = time.time()
+            await msg.ack_sync()
+            record.ack_sent, record.ack_done = sent, time.time()
+        except Exception:  # the run is over
+            pass
+        finally:
+            self.busy -= 1
+            self._poke()
+
+
+def _order_id(data: bytes) -> str | None:
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(body, dict) and isinstance(body.get("id"), str):
+        return str(body["id"])
+    return None
+
+
+async def reference_age(js: Any, stream: str, durable: str, subject: str) -> tuple[float, int]:
+    """(age, depth) as the course measures them: the first un-acked message after the ack floor."""
+    from nats.js.errors import NotFoundError
+
+    info = await js.consumer_info(stream, durable)
+    depth = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    try:
+        oldest = await js.get_msg(stream, info.ack_floor.stream_seq + 1, subject=subject, next=True)
+    except NotFoundError:
+        return 0.0, depth
+    return max(0.0, time.time() - oldest.time.timestamp()), depth
+
+
+async def _setup(js: Any, names: Any) -> None:
+    # The platform team's part: the stream and the fulfilment durable exist before anything starts.
+    await provision(
+        js, names, stream=STREAM, wildcard="orders.>", durable=DURABLE, subject=SUBJECT, ack_wait=ACK_WAIT,
+        max_ack_pending=1000,
+    )  # fmt: skip
+
+
+# --- the lab notebook's playground ---------------------------------------------------------------
+
+
+async def playground(env: Any) -> None:
+    """For the lab notebook: the stream, the durable, and two fulfilment workers in the notebook's process.
+
+    env.workers.scale(0) stalls them, env.workers.scale(4, work=0.01) brings four back;
+    env.Sample builds the samples queue_status takes.
+    """
+    await _setup(env.js, env.names)
+    env.workers = await Fulfilment(env.js, env.stream(STREAM), env.durable(DURABLE)).start(2, 0.02)
+    env.Sample = Sample
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    burst: int  # orders in the deep-but-fast import
+    kill_at: int  # intake A is SIGKILLed right after its k-th "accepted"
+    refused: int  # orders placed while the stream refuses publishes
+    budgets: tuple[float, ...]  # budgets for the synthetic status windows
+
+    @classmethod
+    def draw(cls, seed: int) -> Plan:
+        r = rng(seed, "plan")
+        # kill_at counts every acceptance: the three orders of phase 1 first, so the kill falls in phase 2.
+        return cls(r.randint(400, 600), r.randint(4, 9), r.randint(2, 4), (0.5, r.choice([2.0, 5.0]), 300.0))
+
+
+def status_cases(plan: Plan) -> list[tuple[str, list[Sample], float, str]]:
+    """Windows with a known status, far from every boundary: (what it shows, samples, budget, expected)."""
+    cases = []
+    for budget in plan.budgets:
+        b = budget
+        cases += [
+            ("an empty queue", [Sample(0, 0, 0), Sample(0.5 * b, 0, 0), Sample(b, 0, 0)], b, "OK"),
+            ("a deep queue whose oldest order is young and getting younger",
+             [Sample(0, 0.1 * b, 900), Sample(0.5 * b, 0.08 * b, 600), Sample(b, 0.05 * b, 300)], b, "OK"),
+            ("one stuck order, depth 1, its age over the budget",
+             [Sample(0, 0.6 * b, 1), Sample(0.5 * b, 1.1 * b, 1), Sample(b, 1.6 * b, 1)], b, "ERROR"),
+            ("one stuck order, depth 1, its age under the budget but growing as fast as the clock",
+             [Sample(0, 0.05 * b, 1), Sample(0.3 * b, 0.35 * b, 1), Sample(0.6 * b, 0.65 * b, 1)], b, "WARNING"),
+            ("the age over the budget but falling (recovering)",
+             [Sample(0, 1.9 * b, 40), Sample(0.5 * b, 1.5 * b, 30), Sample(b, 1.2 * b, 20)], b, "ERROR"),
+            ("the age under the budget and falling fast",
+             [Sample(0, 0.9 * b, 400), Sample(0.5 * b, 0.5 * b, 800), Sample(b, 0.2 * b, 2000)], b, "OK"),
+            ("the age creeping up slowly (a fifth as fast as the clock)",
+             [Sample(0, 0.2 * b, 50), Sample(0.5 * b, 0.3 * b, 60), Sample(b, 0.4 * b, 70)], b, "OK"),
+            ("the age climbing at 0.8 s per second, depth small",
+             [Sample(0, 0.1 * b, 3), Sample(0.25 * b, 0.3 * b, 3), Sample(0.5 * b, 0.5 * b, 2)], b, "WARNING"),
+            ("a single sample, under the budget", [Sample(0, 0.7 * b, 5000)], b, "OK"),
+            ("a single sample, exactly at the budget", [Sample(0, b, 1)], b, "ERROR"),
+        ]  # fmt: skip
+    return cases
+
+
+# --- the grader's side of the run --------------------------------------------------------------
+
+
+@dataclass
+class Sampled:
+    """One call of the monitor's `sample`."""
+
+    a: float  # the grader's clock, before and after the call
+    b: float
+    phase: str
+    reply: Reply
+    age: float | None = None
+    status: str = ""
+    window: list[Sample] = field(default_factory=list)
+    failed: str = ""  # "queue_age" or "queue_status" when it raised, "hung", "gone"
+    lb: float = 0.0  # the least and the most the true age could have been during the call
+    ub: float = 0.0
+    depth: int = 0
+
+
+@dataclass
+class Placed:
+    """One order placed through the intake."""
+
+    order_id: str
+    intake: str  # "A" or "B"
+    phase: str
+    a: float
+    b: float = math.inf
+    outcome: str = ""  # accepted, busy, failed, other, hung, gone
+    detail: dict[str, Any] = field(default_factory=dict)
+    stream_refusing: bool = False
+    lb: float = 0.0
+    ub: float = 0.0
+
+    def answer(self) -> str:
+        if self.outcome == "failed":
+            where = f" at {self.detail['where']}" if self.detail.get("where") else ""
+            return f"raised {self.detail.get('error')}({self.detail.get('message', '')}){where}"
+        if self.outcome == "other":
+            return f"returned {self.detail.get('value')} (neither ACCEPTED nor BUSY)"
+        if self.outcome == "hung":
+            return f"did not answer within {CALL_DEADLINE:.0f} s (the grader stopped the process)"
+        if self.outcome == "gone":
+            return "got no answer: the intake process died"
+        return f"answered {self.outcome}"
+
+
+class Truth:
+    """When each order was stored and acked: the least and most the queue's age could be in a time span."""
+
+    def __init__(self, handled: Iterable[Handled]) -> None:
+        self.orders = sorted(handled, key=lambda h: h.seq)
+
+    def bounds(self, a: float, b: float) -> tuple[float, float, Handled | None]:
+        """(lb, ub, the oldest order that could have been waiting) for a reading taken between a and b."""
+        could = next((h for h in self.orders if h.ts <= b and h.ack_done > a), None)
+        surely = next((h for h in self.orders if h.ts <= a and h.ack_sent > b), None)
+        ub = max(0.0, b - could.ts) if could else 0.0
+        lb = max(0.0, a - surely.ts) if surely else 0.0
+        return lb, ub, could
+
+    def age_at(self, t: float) -> float:
+        lb, ub, _ = self.bounds(t, t)
+        return (lb + ub) / 2
+
+
+class Lab:
+    """Everything one grading run keeps: plan, processes, workers, and what was seen."""
+
+    def __init__(self, run: Run, plan: Plan, pool: Fulfilment, monitor: Child, intakes: list[Child]) -> None:
+        self.run = run
+        self.plan = plan
+        self.pool = pool
+        self.monitor = monitor
+        self.intakes = intakes
+        self.samples: list[Sampled] = []
+        self.placed: list[Placed] = []
+        self.answers: dict[str, tuple[str, float, dict[str, Any]]] = {}  # order id -> (outcome, ts, detail)
+        self.phase = "quiet"
+        self.phases: list[tuple[str, float]] = []
+        self.customers_on = False
+        self.next_order = 0
+        self.imported: list[str] = []
+        self.refusal: tuple[float, float] | None = None
+        self.status_replies: list[tuple[str, list[Sample], float, str, Reply]] = []
+        self.sampling = True
+        self.running = True  # the background loops stop when this turns False (see _stop)
+        self.cancels_at: list[float] = []
+        self.locks = {child.pid: asyncio.Lock() for child in intakes}
+
+    # -- names
+
+    @property
+    def stream(self) -> str:
+        return self.run.names.stream(STREAM)
+
+    @property
+    def durable(self) -> str:
+        return self.run.names.durable(DURABLE)
+
+    async def reference(self) -> tuple[float, int] | None:
+        """The queue's (age, depth) now, for deciding when a phase is over; None if the server was slow to say."""
+        try:
+            return await reference_age(self.run.js, self.stream, self.durable, self.run.names.subject(SUBJECT))
+        except (TimeoutError, OSError, NatsError):
+            return None
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        self.phases.append((phase, time.time()))
+
+    # -- effects the intake calls
+
+    def attach(self) -> None:
+        for outcome in (ACCEPTED, BUSY, "failed", "other"):
+            self.run.on(outcome, self._answered(outcome))
+
+    def _answered(self, outcome: str) -> Any:
+        async def handler(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+            self.answers[key or ""] = (outcome, time.time(), detail)
+            self.run.record_effect(child, outcome, key, **detail)
+
+        return handler
+
+    # -- the monitor
+
+    async def sample(self) -> Sampled | None:
+        if not self.monitor.alive:
+            return None
+        a = time.time()
+        reply = await self.monitor.call("sample", CALL_DEADLINE)
+        s = Sampled(a, time.time(), self.phase, reply)
+        value = reply.value if reply.ok and isinstance(reply.value, dict) else {}
+        if reply.hung or reply.gone:
+            s.failed = "hung" if reply.hung else "gone"
+        elif not reply.ok:
+            s.failed = "sample"
+        elif value.get("failed"):
+            s.failed = str(value["failed"])
+        s.age = _number(value.get("age"))
+        s.status = str(value.get("status", ""))[:40]
+        with contextlib.suppress(TypeError, ValueError):
+            s.window = [Sample(float(t), float(x), int(d)) for t, x, d in value.get("window", [])]
+        s.depth = s.window[-1].depth if s.window else 0
+        self.samples.append(s)
+        return s
+
+    async def sampler(self) -> None:
+        while self.sampling and self.monitor.alive:
+            await self.sample()
+            await asyncio.sleep(SAMPLE_GAP)
+
+    async def samples_after(self, since: float, n: int) -> None:
+        await self.run.wait_for(
+            lambda: sum(s.a >= since for s in self.samples) >= n or not self.monitor.alive, PHASE_CAP
+        )
+
+    # -- the intake
+
+    def intake(self) -> tuple[str, Child] | None:
+        for label, child in zip("AB", self.intakes, strict=True):
+            if child.alive:
+                return label, child
+        return None
+
+    async def place(self, prefix: str = "o") -> Placed | None:
+        chosen = self.intake()
+        if chosen is None:
+            return None
+        label, child = chosen
+        self.next_order += 1
+        oid = f"{prefix}-{self.next_order:04d}"
+        order = {"id": oid, "sku": f"sku-{100 + self.next_order % 37}", "qty": 1 + self.next_order % 3}
+        async with self.locks[child.pid]:  # one call at a time per process
+            p = Placed(oid, label, self.phase, time.time())
+            self.placed.append(p)
+            reply = await child.call("place_order", CALL_DEADLINE, order=order)
+        p.b = time.time()
+        known = self.answers.get(oid)
+        if known is not None:  # the answer reached the grader, even if the process was killed right after
+            p.outcome, answered, p.detail = known[0], known[1], dict(known[2])
+            p.b = min(p.b, answered)
+        elif reply.hung:
+            p.outcome = "hung"
+        else:
+            p.outcome = "gone"
+        return p
+
+    async def customers(self) -> None:
+        while self.running:
+            if self.customers_on and self.intake() is not None:
+                await self.place()
+                await asyncio.sleep(ORDER_GAP)
+            else:
+                await asyncio.sleep(0.01)
+
+    def answered_since(self, since: float) -> list[Placed]:
+        return [p for p in self.placed if p.a >= since and p.outcome]
+
+    # -- the shop's other producers (the grader's own connection)
+
+    async def cancellations(self) -> None:
+        n = 0
+        while self.running:
+            n += 1
+            body = json.dumps({"id": f"c-{n:04d}", "reason": "customer"}).encode()
+            with contextlib.suppress(Exception):
+                await self.run.js.publish(self.run.names.subject(CANCELLED), body)
+                self.cancels_at.append(time.time())
+            await asyncio.sleep(CANCEL_EVERY)
+
+    async def import_orders(self, count: int) -> float:
+        """Publish `count` orders at once (a marketplace import); returns when the stream holds them all."""
+        started = time.time()
+        base = len(self.imported)
+        subject = self.run.names.subject(SUBJECT)
+        for i in range(count):
+            oid = f"m-{base + i + 1:04d}"
+            self.imported.append(oid)
+            await self.run.nc.publish(subject, json.dumps({"id": oid, "sku": "sku-import", "qty": 1}).encode())
+        with contextlib.suppress(TimeoutError, NatsError):
+            await self.run.nc.flush()
+
+        async def stored() -> bool:
+            try:
+                info = await self.run.js.consumer_info(self.stream, self.durable)
+            except (TimeoutError, OSError, NatsError):
+                return False
+            return int(info.num_pending or 0) + int(info.num_ack_pending or 0) >= count
+
+        await self.run.wait_for(stored, PHASE_CAP, interval=0.005)
+        return started
+
+    async def drained(self) -> bool:
+        try:
+            info = await self.run.js.consumer_info(self.stream, self.durable)
+        except (TimeoutError, OSError, NatsError):
+            return False
+        return not info.num_pending and not info.num_ack_pending and self.pool.idle
+
+    async def age_at_least(self, seconds: float) -> bool:
+        now = await self.reference()
+        return now is not None and now[0] >= seconds
+
+
+async def grade(run: Run) -> list[Check]:
+    """Run the workload with its faults and judge the invariants."""
+    plan = Plan.draw(run.seed)
+    await _setup(run.js, run.names)
+    pool = await Fulfilment(run.js, run.names.stream(STREAM), run.names.durable(DURABLE)).start(2, 0.0)
+    monitor, intake_a, intake_b = await asyncio.gather(
+        run.spawn("monitor", params=PARAMS),
+        run.spawn("intake", faults=[Crash(ACCEPTED, plan.kill_at, "after")], params=PARAMS),
+        run.spawn("intake", params=PARAMS),
+    )
+    lab = Lab(run, plan, pool, monitor, [intake_a, intake_b])
+    lab.attach()
+    background = [asyncio.ensure_future(t) for t in (lab.cancellations(), lab.customers())]
+    try:
+        await _play(lab)
+    except (OSError, NatsError) as exc:  # nats.errors.TimeoutError is a TimeoutError, an OSError
+        from msglab.errors import GraderError
+
+        raise GraderError(f"the run's nats-server did not answer the grader in time ({exc!r}): try again") from exc
+    finally:
+        lab.sampling = lab.running = False
+        await _stop(background)
+        await pool.close()
+    handled = await _read_stream(run, pool)
+    return judge(lab, Truth(h for h in handled.values() if h.ts > 0))
+
+
+async def _play(lab: Lab) -> None:
+    run, pool, plan = lab.run, lab.pool, lab.plan
+    sampler = asyncio.ensure_future(lab.sampler())
+    try:
+        # 0. quiet: nothing waits, cancellations arrive.
+        lab.enter("quiet")
+        await run.wait_for(lambda: bool(lab.cancels_at) and time.time() - lab.cancels_at[0] >= QUIET, PHASE_CAP)
+        await lab.samples_after(time.time(), 2)
+
+        # 1. deep but fast: stall, import a burst, sample and place while deep, then drain.
+        for _ in range(3):
+            lab.enter("deep")
+            await run.wait_for(lab.drained, PHASE_CAP)
+            await pool.stall()
+            started = await lab.import_orders(plan.burst)
+            await lab.samples_after(time.time(), 2)
+            young = [s for s in lab.samples if s.a >= started and s.b - started <= BUDGET - CLEAR and not s.failed]
+            for _ in range(3):
+                await lab.place()
+            pool.scale(8, 0.0)
+            await run.wait_for(lab.drained, PHASE_CAP)
+            if young or not lab.monitor.alive:
+                break  # under heavy load a sample can come too late to count as "young": import again
+
+        # 2. over capacity: one slow worker, customers back to back; intake A is killed at its k-th accept.
+        lab.enter("over capacity")
+        pool.scale(1, WORK_SLOW)
+        lab.customers_on = True
+        a = lab.intakes[0]
+        await run.wait_for(lambda: not a.alive or lab.intake() is None, PHASE_CAP)
+
+        async def half_budget() -> bool:
+            return lab.intake() is None or await lab.age_at_least(BUDGET / 2)
+
+        await run.wait_for(half_budget, PHASE_CAP)
+
+        # 3. stall: nobody works; the age climbs well over the budget while orders keep coming.
+        lab.enter("stall")
+        await pool.stall()
+
+        async def well_over() -> bool:
+            return lab.intake() is None or await lab.age_at_least(BUDGET + 0.3)
+
+        await run.wait_for(well_over, PHASE_CAP)
+        since = time.time()
+        await run.wait_for(lambda: len(lab.answered_since(since)) >= 3 or lab.intake() is None, PHASE_CAP)
+
+        # 4. scale up: the backlog drains; orders keep coming until the age is back under the budget.
+        lab.enter("scaled up")
+        pool.scale(6, 0.0)
+        await run.wait_for(lab.drained, PHASE_CAP)
+        since = time.time()
+        await run.wait_for(lambda: len(lab.answered_since(since)) >= 4 or lab.intake() is None, PHASE_CAP)
+        lab.customers_on = False
+        await run.wait_for(lambda: not any(p.a and not p.outcome for p in lab.placed), CALL_DEADLINE + 1)
+        lab.enter("stream full")
+        async with refuse_publishes(run.js, lab.stream):
+            began = time.time()
+            for _ in range(plan.refused):
+                placed = await lab.place()
+                if placed is not None:
+                    placed.stream_refusing = True
+            lab.refusal = (began, time.time())
+        lab.enter("stream open")
+        for _ in range(2):
+            await lab.place()
+
+        # 5. shallow but stuck: a trickle of orders flows, one is held by a hung worker.
+        lab.enter("stuck")
+        pool.scale(2, 0.005)
+        pool.stuck.add("x-stuck")
+        stuck_body = json.dumps({"id": "x-stuck", "sku": "sku-odd", "qty": 1}).encode()
+        await _publish(run, SUBJECT, stuck_body)
+        flowing = asyncio.Event()
+        flowing.set()
+        trickle = asyncio.ensure_future(_trickle(lab, flowing))
+        try:
+
+            async def stuck_long() -> bool:
+                return await lab.age_at_least(BUDGET + 0.3)
+
+            await run.wait_for(stuck_long, PHASE_CAP)
+            since = time.time()  # from here on the stuck order has waited well over the budget
+
+            def shallow_samples() -> bool:
+                seen = [x for x in lab.samples if x.a >= since and not x.failed and x.depth <= SHALLOW]
+                return len(seen) >= 2 or not lab.monitor.alive
+
+            await run.wait_for(shallow_samples, PHASE_CAP)
+        finally:
+            flowing.clear()
+            await _stop([trickle])
+        pool.release()
+
+        # 6. everything drains.
+        lab.enter("drained")
+        pool.scale(8, 0.0)
+        await run.wait_for(lab.drained, PHASE_CAP)
+        await lab.samples_after(time.time(), 2)
+    finally:
+        lab.sampling = False
+        await asyncio.gather(sampler, return_exceptions=True)
+    await _status_cases(lab)
+
+
+async def _stop(tasks: list[asyncio.Task[Any]], patience: float = CALL_DEADLINE + 2) -> None:
+    """Wait for loops told to stop (by a flag) to finish; cancel what is still running after `patience`.
+
+    Not cancel() first: nats-py 2.16 can swallow a cancellation that lands inside a publish (its
+    _flush_pending catches CancelledError), and a loop that never sees it runs on for ever.
+    """
+    _, late = await asyncio.wait(tasks, timeout=patience)
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late, timeout=1.0)
+
+
+async def _trickle(lab: Lab, flowing: asyncio.Event) -> None:
+    n = 0
+    while flowing.is_set():
+        n += 1
+        body = json.dumps({"id": f"f-{n:04d}", "sku": "sku-trickle", "qty": 1}).encode()
+        with contextlib.suppress(TimeoutError, NatsError):
+            await lab.run.js.publish(lab.run.names.subject(SUBJECT), body)
+        await asyncio.sleep(0.1)
+
+
+async def _publish(run: Run, subject: str, body: bytes) -> None:
+    """The grader's own publish: a slow server gets three tries before the run is the course's failure."""
+    for attempt in range(3):
+        try:
+            await run.js.publish(run.names.subject(subject), body)
+            return
+        except TimeoutError:
+            if attempt == 2:
+                raise
+
+
+async def _read_stream(run: Run, pool: Fulfilment) -> dict[int, Handled]:
+    """Every order message the stream holds, with its stored time; acks as the workers recorded them."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    handled = dict(pool.seen)
+    config = ConsumerConfig(
+        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=10.0,
+        filter_subject=run.names.subject(SUBJECT),
+    )  # fmt: skip
+    sub = await run.js.pull_subscribe(run.names.subject(SUBJECT), stream=run.names.stream(STREAM), config=config)
+    try:
+        info = await sub.consumer_info()
+        left = int(info.num_pending or 0)
+        deadline = time.monotonic() + PHASE_CAP
+        while left > 0 and time.monotonic() < deadline:
+            try:
+                msgs = await sub.fetch(min(left, 500), timeout=1.0)
+            except TimeoutError:
+                break
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                if seq not in handled:
+                    handled[seq] = Handled(seq, msg.metadata.timestamp.timestamp(), _order_id(msg.data))
+            left -= len(msgs)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return handled
+
+
+# --- judging -------------------------------------------------------------------------------------
+
+
+def judge(lab: Lab, truth: Truth) -> list[Check]:
+    for s in lab.samples:
+        s.lb, s.ub, _ = truth.bounds(s.a, s.b)
+    for p in lab.placed:
+        p.lb, p.ub, _ = truth.bounds(p.a, p.b if math.isfinite(p.b) else p.a)
+    return [
+        _age_check(lab, truth),
+        _fooled_check(lab, truth),
+        _status_check(lab),
+        _refuses_over_check(lab, truth),
+        _refuses_only_over_check(lab, truth),
+        _busy_not_error_check(lab),
+        _lost_check(lab, truth),
+        _faults_check(lab),
+    ]
+
+
+def _faults_check(lab: Lab) -> Check:
+    """Rule 1, in this lab's words: intake A was SIGKILLed right after its k-th ACCEPTED."""
+    title = "every planned crash happened (the grader could test what your code does after one)"
+    a = lab.intakes[0]
+    if all(f in a.fired for f in a.faults):
+        return Check("faults_fired", title, True)
+    answered = [p for p in lab.placed if p.intake == "A"]
+    accepted = sum(p.outcome == ACCEPTED for p in answered)
+    message = (
+        f"the grader planned to SIGKILL intake A right after it answered ACCEPTED for the {lab.plan.kill_at}th time, "
+        f"but of the {len(answered)} orders placed with it, it accepted {accepted}"
+        + (f" and then {a.how_it_ended()}" if a.unplanned else "")
+        + ". Without the crash this run proves nothing about surviving one, so it cannot pass."
+    )
+    hint = "accept orders while the queue's age is under the budget: the kill comes right after an acceptance"
+    return Check("faults_fired", title, False, message, hint=hint)
+
+
+def _at(lab: Lab, ts: float) -> str:
+    return lab.run.at(ts)
+
+
+def _phase_words(phase: str) -> str:
+    return {
+        "quiet": "while nothing waited (only cancellations, which the durable does not read, were arriving)",
+        "deep": "right after an import of hundreds of orders landed at once (a deep queue, its oldest order young)",
+        "over capacity": "while one slow worker fell behind the customers",
+        "stall": "while every worker was stalled",
+        "scaled up": "after six workers had drained the backlog",
+        "stream full": "while the stream refused every publish",
+        "stream open": "after the stream accepted publishes again",
+        "stuck": "while a worker hung on one order and the rest flowed (a shallow queue, its oldest order old)",
+        "drained": "after everything had drained",
+    }.get(phase, phase)
+
+
+def _monitor_broken(lab: Lab, title: str, name: str, kinds: tuple[str, ...] = ()) -> Check | None:
+    """A failing check when the monitor never gave a usable sample, or failed (in one of `kinds`), with the cause."""
+    failed = next((s for s in lab.samples if s.failed and (not kinds or s.failed in kinds)), None)
+    usable = [s for s in lab.samples if not s.failed]
+    if failed is None and usable:
+        return None
+    if failed is None:
+        return Check(name, title, False, "the grader got no sample from your monitor at all.",
+                     hint="queue_age must return a number of seconds")  # fmt: skip
+    value = failed.reply.value if isinstance(failed.reply.value, dict) else {}
+    if failed.failed in ("hung", "gone"):
+        message = (
+            f"your monitor's sample at {_at(lab, failed.a)} ({_phase_words(failed.phase)}) {failed.reply.describe()}."
+        )
+        hint = "queue_age and queue_status must answer at once: ask the broker, never wait for the queue to change"
+    else:
+        what = value.get("failed", "queue_age")
+        where = f" at {value['where']}" if value.get("where") else ""
+        raised = (
+            f"raised {value.get('error')}({value.get('message', '')}){where}"
+            if value.get("error")
+            else value.get("message", "failed")
+        )
+        message = f"{what} {raised} at {_at(lab, failed.a)}, {_phase_words(failed.phase)}."
+        hint = "the queue can be empty, deep, or stuck: your monitor must answer in every case"
+        if value.get("error") == "NotFoundError":
+            hint = "when no order waits there is no message to read: that is an age of 0.0, not an error"
+        elif what == "queue_age" and "not a number" in str(value.get("message")):
+            hint = "return the age as a number of seconds (a float), 0.0 when nothing waits"
+    return Check(name, title, False, message, hint=hint)
+
+
+def _age_check(lab: Lab, truth: Truth) -> Check:
+    name = "age_tracks_truth"
+    title = "queue_age reports how long the oldest unfinished order has waited"
+    broken = _monitor_broken(lab, title, name, ("queue_age", "hung", "gone", "sample"))
+    if broken is not None:
+        return broken
+    judged = [s for s in lab.samples if s.age is not None]
+    wrong = [s for s in judged if not (s.lb - AGE_TOLERANCE <= s.age <= s.ub + AGE_TOLERANCE)]  # type: ignore[operator]
+    if not wrong:
+        return Check(name, title, True)
+    # The most telling sample: a quiet, deep or stuck moment if there is one.
+    order = ["stuck", "quiet", "drained", "deep", "stall"]
+
+    def off(s: Sampled) -> float:
+        return max(s.lb - (s.age or 0.0), (s.age or 0.0) - s.ub)
+
+    first = min(wrong, key=lambda s: (order.index(s.phase) if s.phase in order else 9, -off(s)))
+    _, _, oldest = truth.bounds(first.a, first.b)
+    shown = f"{first.age:.3f} s" if first.age is not None else "nothing"
+    truly = f"between {first.lb:.3f} and {first.ub:.3f} s" if first.ub - first.lb > 0.0005 else f"{first.ub:.3f} s"
+    message = (
+        f"{len(wrong)} of {len(judged)} samples were off by more than {AGE_TOLERANCE * 1000:.0f} ms. "
+        f"At {_at(lab, first.a)}, {_phase_words(first.phase)}, queue_age said {shown}; the oldest unfinished "
+        f"order had waited {truly}"
+        + (
+            f" ({oldest.order_id}, stored at {_at(lab, oldest.ts)}, depth {first.depth})."
+            if oldest
+            else f" (nothing waited, depth {first.depth})."
+        )
+    )
+    trace = [
+        f"{_at(lab, s.a)} {s.phase}: queue_age {s.age:.3f} s, truly {s.lb:.3f}-{s.ub:.3f} s, depth {s.depth}"
+        for s in wrong[:5]
+        if s.age is not None
+    ]
+    hint = _age_hint(lab, wrong, first)
+    return Check(name, title, False, message, trace=trace, hint=hint)
+
+
+def _age_hint(lab: Lab, wrong: list[Sampled], first: Sampled) -> str:
+    phases = {s.phase for s in wrong}
+    ages = [s.age for s in lab.samples if s.age is not None]
+    if ages and all(a == 0 for a in ages):
+        return "queue_age always said 0: measure it, from the oldest order the durable has not seen acked"
+    late = [s for s in wrong if s.phase in ("stuck", "drained") and s.age is not None and s.age > s.ub + 1.0]
+    if late:
+        return (
+            "your age kept growing for the whole run: the stream keeps acked orders (limits retention), so "
+            "its first message is not the oldest unfinished one; start from the durable's ack floor"
+        )
+    if "quiet" in phases or "drained" in phases:
+        return (
+            "when every order was done your age still grew: the message after the ack floor may be an "
+            "orders.cancelled event, which the durable never delivers; look only at the durable's own subject"
+        )
+    if "stuck" in phases and first.age is not None and first.age < first.lb:
+        return (
+            "an order a worker holds without acking is still unfinished: start from the durable's ack floor, "
+            "not from what it has delivered"
+        )
+    if "deep" in phases:
+        return "depth is not age: hundreds of orders that landed a moment ago have waited a moment"
+    return "the age is now minus the stored time of the first un-acked order after the durable's ack floor"
+
+
+def _fooled_check(lab: Lab, truth: Truth) -> Check:
+    name = "not_fooled_by_depth"
+    title = "the monitor is fooled neither by a deep but fast queue nor by a shallow but stuck one"
+    broken = _monitor_broken(lab, title, name)
+    if broken is not None:
+        return broken
+    usable = [s for s in lab.samples if not s.failed and s.window]
+    deep = [s for s in usable if s.depth >= DEEP and s.ub <= BUDGET - CLEAR]
+    stuck = [s for s in usable if s.depth <= SHALLOW and s.lb >= BUDGET + CLEAR and s.phase == "stuck"]
+    deep_wrong = [s for s in deep if s.status == "ERROR"]
+    stuck_wrong = [s for s in stuck if s.status != "ERROR"]
+    if not deep or not stuck:
+        missing = "a deep queue with a young head" if not deep else "a shallow queue with an old head"
+        slow = max((s.b - s.a for s in usable), default=0.0)
+        return Check(name, title, False,
+                     f"could not be tested: the grader got no sample of {missing} (your monitor's samples took up to "
+                     f"{slow:.2f} s each).", hint="queue_age and queue_status must answer in milliseconds")  # fmt: skip
+    if not deep_wrong and not stuck_wrong:
+        return Check(name, title, True)
+    lines = []
+    if deep_wrong:
+        s = deep_wrong[0]
+        lines.append(
+            f"Deep but fast: at {_at(lab, s.a)} the queue held {s.depth} orders and the oldest had waited at most "
+            f"{s.ub:.3f} s (the workers drained it moments later); your monitor said ERROR (queue_age {s.age:.3f} s)."
+        )
+    if stuck_wrong:
+        s = stuck_wrong[0]
+        lines.append(
+            f"Shallow but stuck: at {_at(lab, s.a)} the queue held {s.depth} order(s), one of them held by a hung "
+            f"worker for at least {s.lb:.3f} s (budget {BUDGET:.1f} s); your monitor said {s.status or 'nothing'} "
+            f"(queue_age {s.age:.3f} s)."
+        )
+    # Whose fault: the age (it agreed with the status it got) or the status (it ignored the age it got)?
+    age_too_high = [s for s in deep_wrong if s.age is not None and s.age >= BUDGET]
+    age_too_low = [s for s in stuck_wrong if s.age is not None and s.age < BUDGET]
+    status_on_depth = [s for s in deep_wrong if s.age is not None and s.age < BUDGET]
+    if age_too_low and status_on_depth:
+        hint = (
+            f"two faults: queue_age said {age_too_low[0].age:.3f} s for an order held unacked for "
+            f"{age_too_low[0].lb:.3f} s (measure from the durable's ack floor), and queue_status said ERROR for an "
+            "age under the budget (judge by the age, never the depth)"
+        )
+    elif age_too_low:
+        s = age_too_low[0]
+        hint = (
+            f"queue_age said {s.age:.3f} s for an order a worker had held unacked for {s.lb:.3f} s: it is unfinished, "
+            "so count it, from the durable's ack floor (the status follows the age)"
+        )
+    elif age_too_high:
+        s = age_too_high[0]
+        hint = (
+            f"queue_age said {s.age:.3f} s for a queue whose oldest order had waited at most {s.ub:.3f} s: fix it "
+            "first (age_tracks_truth), the status follows it"
+        )
+    elif deep_wrong and stuck_wrong:
+        hint = "depth said 'alarm' for a queue that drained in a moment and 'fine' for a stuck one: use the age"
+    elif deep_wrong:
+        hint = "queue_status said ERROR for an age under the budget: the depth plays no part, however deep the queue"
+    else:
+        hint = "queue_status must say ERROR when the newest age is at or over the budget, however shallow the queue"
+    trace = [f"{_at(lab, w.t)}: age {w.age:.3f} s, depth {w.depth}" for w in (deep_wrong or stuck_wrong)[0].window[-4:]]
+    return Check(name, title, False, "\n".join(lines), trace=trace, hint=hint)
+
+
+def _status_check(lab: Lab) -> Check:
+    name = "status_from_level_and_trend"
+    title = "queue_status gives OK, WARNING or ERROR from the age's level and trend (the README's rule)"
+    for what, samples, budget, expected, reply in lab.status_replies:
+        got = reply.value if reply.ok else None
+        if got == expected:
+            continue
+        shown = f"returned {got!r}" if reply.ok else reply.describe()
+        window = ", ".join(f"(t {s.t:g}, age {s.age:g}, depth {s.depth})" for s in samples)
+        message = (
+            f"for {what} (budget {budget:g} s) queue_status {shown}; the rule says {expected}.\nThe window: {window}."
+        )
+        return Check(name, title, False, message, hint=_status_hint(expected, got, samples, budget))
+    for s in lab.samples:
+        if s.failed or not s.window or _borderline(s.window, BUDGET):
+            continue
+        expected = expected_status(s.window, BUDGET)
+        if s.status != expected:
+            window = ", ".join(f"(+{w.t - lab.run.t0:.2f}s, {w.age:.3f} s, {w.depth})" for w in s.window[-5:])
+            message = (
+                f"at {_at(lab, s.a)}, {_phase_words(s.phase)}, queue_status said {s.status!r} for your own samples; "
+                f"the rule says {expected}.\nThe window's last samples (time, age, depth): {window}."
+            )
+            return Check(name, title, False, message, hint=_status_hint(expected, s.status, s.window, BUDGET))
+    if not lab.status_replies:
+        return Check(name, title, False, "could not be tested: the monitor process was gone.",
+                     hint="fix the other monitor checks first")  # fmt: skip
+    return Check(name, title, True)
+
+
+def _status_hint(expected: str, got: Any, samples: list[Sample], budget: float) -> str:
+    if got not in STATUSES:
+        return "return one of the strings 'OK', 'WARNING', 'ERROR'"
+    newest = samples[-1]
+    if expected == "ERROR":
+        return "ERROR whenever the newest age is at or over the budget, whatever the depth or the trend"
+    if got == "ERROR" and newest.age < budget:
+        return "under the budget the status is never ERROR, however deep the queue is"
+    if expected == "WARNING":
+        return (
+            "WARNING when the age grew, from the window's first sample to its newest, by at least half the time "
+            "between them"
+        )
+    return "OK when the age is under the budget and not climbing at half the clock's pace; depth plays no part"
+
+
+def _judged(p: Placed) -> bool:
+    return p.outcome in (ACCEPTED, BUSY) and not p.stream_refusing
+
+
+def _refuses_over_check(lab: Lab, truth: Truth) -> Check:
+    name = "refuses_over_budget"
+    title = "place_order refuses (BUSY) while the queue's age is over the budget"
+    over = [p for p in lab.placed if _judged(p) and p.lb >= BUDGET + INTAKE_CLEAR]
+    accepted = [p for p in over if p.outcome == ACCEPTED]
+    if over and not accepted:
+        return Check(name, title, True)
+    if not over:
+        stalled = [p for p in lab.placed if p.phase == "stall"]
+        hung = next((p for p in stalled if p.outcome == "hung"), None)
+        odd = next((p for p in stalled if p.outcome not in (ACCEPTED, BUSY)), None)
+        if hung is not None:
+            message = (
+                f"{hung.order_id}, placed while every worker was stalled and the age was climbing past the budget, "
+                f"{hung.answer()}. A customer kept waiting is not refused: the answer must come at once."
+            )
+            hint = "answer at once: refuse with BUSY rather than wait for the queue to drain"
+        elif lab.placed and not any(p.outcome == ACCEPTED for p in lab.placed if p.phase != "stream full"):
+            message = (
+                f"could not be tested: place_order refused every order ({len(lab.placed)} of them), so the queue "
+                "never grew old enough to judge a refusal."
+            )
+            hint = "fix refuses_only_over_budget first: accept while the age is under the budget"
+        else:
+            message = (
+                f"could not be tested: none of the {len(stalled)} orders placed while the workers were stalled got an "
+                f"answer while the age was clearly over the budget ({BUDGET:.1f} s)"
+                + (f"; {odd.order_id} {odd.answer()}" if odd else "")
+                + "."
+            )
+            hint = "answer every order at once, with ACCEPTED or BUSY"
+        return Check(name, title, False, message, hint=hint)
+    p = accepted[0]
+    _, _, oldest = truth.bounds(p.a, p.b)
+    message = (
+        f"{len(accepted)} of {len(over)} orders placed while the age was clearly over the budget ({BUDGET:.1f} s) "
+        f"were accepted. {p.order_id} was accepted at {_at(lab, p.a)}, {_phase_words(p.phase)}: the oldest order "
+        f"had waited at least {p.lb:.3f} s"
+        + (f" ({oldest.order_id})" if oldest else "")
+        + ". A customer told 'accepted' now waits longer than the shop promises."
+    )  # fmt: skip
+    trace = [f"{_at(lab, q.a)} {q.order_id}: {q.outcome}, age at least {q.lb:.3f} s" for q in accepted[:5]]
+    hint = "before accepting, measure the queue's age and answer BUSY when it is over env.age_budget"
+    if not any(q.outcome == BUSY for q in lab.placed):
+        hint = "place_order never refused anything: nothing pushes back on a queue unless the producer does"
+    return Check(name, title, False, message, trace=trace, hint=hint)
+
+
+def _refuses_only_over_check(lab: Lab, truth: Truth) -> Check:
+    name = "refuses_only_over_budget"
+    title = "place_order refuses only while the age is over the budget, and accepts again once it falls back"
+    under = [p for p in lab.placed if _judged(p) and p.ub <= BUDGET - INTAKE_CLEAR]
+    busy = [p for p in under if p.outcome == BUSY]
+    if not busy:
+        if not under:
+            return Check(name, title, False, "could not be tested: no order got an answer while the age was "
+                         "clearly under the budget.", hint="fix refuses_over_budget first")  # fmt: skip
+        return Check(name, title, True)
+    p = busy[0]
+    message = (
+        f"{len(busy)} of {len(under)} orders placed while the age was clearly under the budget ({BUDGET:.1f} s) were "
+        f"refused. {p.order_id} got BUSY at {_at(lab, p.a)}, {_phase_words(p.phase)}: the oldest unfinished order "
+        f"had waited at most {p.ub:.3f} s."
+    )
+    phases = {q.phase for q in busy}
+    if "deep" in phases:
+        message += " The queue was deep, but its oldest order was moments old: it drained at once."
+        hint = "refuse by the queue's age, not its depth: a deep queue can drain in a moment"
+    elif phases & {"scaled up", "stream open", "drained"}:
+        message += " The age had fallen back by then: refusals must stop as soon as it does."
+        hint = "measure the age for every order; a refusal that outlives the backlog turns customers away for nothing"
+    else:
+        hint = "refuse only when the age is over env.age_budget"
+    high = [s for s in lab.samples if s.age is not None and s.age > s.ub + AGE_TOLERANCE and s.a <= p.b]
+    off = max(high, key=lambda s: (s.age or 0.0) - s.ub, default=None)
+    if off is not None:
+        hint = (
+            f"if place_order measures the age with your queue_age, fix that first: at {_at(lab, off.a)} it said "
+            f"{off.age:.3f} s when the oldest order had waited at most {off.ub:.3f} s"
+        )
+    trace = [f"{_at(lab, q.a)} {q.order_id} ({q.phase}): busy, age at most {q.ub:.3f} s" for q in busy[:5]]
+    return Check(name, title, False, message, trace=trace, hint=hint)
+
+
+def _busy_not_error_check(lab: Lab) -> Check:
+    name = "busy_when_stream_full"
+    title = "place_order answers ACCEPTED or BUSY, and BUSY while the stream is full (never an exception)"
+    during = [p for p in lab.placed if p.stream_refusing]
+    bad_during = [p for p in during if p.outcome != BUSY]
+    errors = [p for p in lab.placed if p.outcome in ("failed", "other") and not p.stream_refusing]
+    if not bad_during and not errors and during:
+        return Check(name, title, True)
+    if not during:
+        stopped = next((p for p in lab.placed if p.outcome == "hung"), None)
+        why = f" ({stopped.order_id} {stopped.answer()})" if stopped else ""
+        return Check(name, title, False, f"could not be tested: no intake process was left when the stream refused "
+                     f"publishes{why}.", hint="place_order must answer every order at once")  # fmt: skip
+    if bad_during:
+        p = bad_during[0]
+        message = (
+            f"while the stream refused every publish (full, discard-new: error 10077), {p.order_id} {p.answer()}."
+            " The customer must hear 'busy, try later', and nothing the stream did not store may be reported accepted."
+        )
+        if p.outcome == ACCEPTED:
+            hint = "report ACCEPTED only once the stream has confirmed it stored the order; a refused publish is BUSY"
+        elif p.outcome == "failed":
+            hint = "the stream's refusal is an error the publish raises: catch it and answer BUSY"
+        else:
+            hint = "answer BUSY when the stream refuses the order"
+        return Check(name, title, False, message, hint=hint)
+    p = errors[0]
+    message = f"{p.order_id}, placed {_phase_words(p.phase)}, {p.answer()}."
+    hint = "place_order answers every order with ACCEPTED or BUSY; handle what can fail inside it"
+    if p.detail.get("error") == "NotFoundError":
+        hint = "when no order waits there is no message to read: that is an age of 0.0, not an error"
+    return Check(name, title, False, message, hint=hint)
+
+
+def _lost_check(lab: Lab, truth: Truth) -> Check:
+    name = "no_accepted_order_lost"
+    title = "every accepted order is in the stream and processed, also when the intake is killed right after"
+    by_id: dict[str, list[Handled]] = {}
+    for h in truth.orders:
+        if h.order_id:
+            by_id.setdefault(h.order_id, []).append(h)
+    accepted = [p for p in lab.placed if p.outcome == ACCEPTED]
+    lost = [p for p in accepted if not by_id.get(p.order_id)]
+    unprocessed = [
+        p for p in accepted if by_id.get(p.order_id) and not any(math.isfinite(h.ack_done) for h in by_id[p.order_id])
+    ]
+    if not lost and not unprocessed:
+        return Check(name, title, True)
+    crashes = lab.run.log.events("crash", ACCEPTED)
+    killed = crashes[0].key if crashes else None
+    first = next((p for p in lost if p.order_id == killed), lost[0] if lost else unprocessed[0])
+    if first in lost:
+        shown = ", ".join(p.order_id for p in lost[:8])
+        message = f"{len(lost)} of {len(accepted)} accepted orders never reached the stream: {shown}"
+        message += "…" if len(lost) > 8 else "."
+        if first.order_id == killed:
+            message += (
+                f"\n{first.order_id} was answered 'accepted' by intake {first.intake}, which the grader SIGKILLed "
+                "right after that answer: the order was still only in the process's memory, and died with it."
+            )
+            hint = "answer ACCEPTED only after the stream confirmed it stored the order; memory dies with the process"
+        elif first.stream_refusing:
+            message += f"\n{first.order_id} was answered 'accepted' while the stream refused every publish."
+            hint = "report ACCEPTED only once the stream has confirmed it stored the order"
+        else:
+            message += (
+                f"\nThe stream holds no order {first.order_id} on {SUBJECT}, the subject the fulfilment durable reads."
+            )
+            hint = (
+                "publish each accepted order as JSON (with its \"id\") to env.subject('orders.placed'), and wait "
+                "for the stream's confirmation"
+            )
+        return Check(name, title, False, message, hint=hint)  # fmt: skip
+    message = (
+        f"{len(unprocessed)} accepted orders were in the stream but never processed by the end: "
+        f"{', '.join(p.order_id for p in unprocessed[:8])}."
+    )
+    return Check(name, title, False, message, hint="publish orders to env.subject('orders.placed') as JSON")
+
+
+# --- the synthetic windows run before the live phases end ---------------------------------------
+
+
+async def _status_cases(lab: Lab) -> None:
+    for what, samples, budget, expected in status_cases(lab.plan):
+        if not lab.monitor.alive:
+            return
+        reply = await lab.monitor.call("status", CALL_DEADLINE, samples=[list(s) for s in samples], budget=budget)
+        lab.status_replies.append((what, samples, budget, expected, reply))

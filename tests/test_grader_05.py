@@ -1,0 +1,165 @@
+"""Lab 05's grader judged on real runs: the solution passes, the starter and wrong variants fail for
+their own reason with messages that teach, the plan replays from its seed, and the true-age bounds
+and the status rule are right on their own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from msglab.graders.backpressure import (
+    BUDGET,
+    Handled,
+    Plan,
+    Sample,
+    Truth,
+    expected_status,
+    status_cases,
+)
+from msglab.grading.grade import grade
+
+VARIANTS = Path(__file__).parent / "variants" / "05_backpressure"
+ALL = {
+    "age_tracks_truth",
+    "not_fooled_by_depth",
+    "status_from_level_and_trend",
+    "refuses_over_budget",
+    "refuses_only_over_budget",
+    "busy_when_stream_full",
+    "no_accepted_order_lost",
+    "faults_fired",
+    "no_unplanned_deaths",
+}
+
+
+def failure(verdict: Any, name: str) -> Any:
+    return next(c for c in verdict.failures if c.name == name)
+
+
+def test_solution_passes_every_check(no_nats_url: None) -> None:
+    verdict = grade("05", solution=True, seed=1)
+    assert verdict.passed, verdict.to_text()
+    assert {c.name for c in verdict.checks} == ALL
+
+
+def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
+    verdict = grade("05", seed=2)
+    failed = {c.name for c in verdict.failures}
+    assert failed == ALL - {"refuses_only_over_budget", "faults_fired", "no_unplanned_deaths"}, verdict.to_text()
+    assert "always said 0" in failure(verdict, "age_tracks_truth").hint
+    fooled = failure(verdict, "not_fooled_by_depth").message
+    assert "Deep but fast" in fooled and "Shallow but stuck" in fooled
+    assert "never refused anything" in failure(verdict, "refuses_over_budget").hint
+    lost = failure(verdict, "no_accepted_order_lost")
+    assert "SIGKILLed right after that answer" in lost.message and "memory" in lost.hint
+    assert all(c.message and c.hint for c in verdict.failures)
+
+
+@pytest.mark.parametrize(
+    ("variant", "words"),
+    [
+        ("age_without_subject", "orders.cancelled"),
+        ("age_from_delivered", "ack floor"),
+        ("age_of_stream_first", "limits retention"),
+    ],
+)
+def test_a_wrong_age_gets_the_hint_for_its_cause(no_nats_url: None, variant: str, words: str) -> None:
+    verdict = grade("05", source=VARIANTS / f"{variant}.py", seed=3)
+    assert words in failure(verdict, "age_tracks_truth").hint, verdict.to_text()
+
+
+def test_refusing_by_depth_is_caught_on_the_deep_young_queue(no_nats_url: None) -> None:
+    verdict = grade("05", source=VARIANTS / "refuses_by_depth.py", seed=4)
+    check = failure(verdict, "refuses_only_over_budget")
+    assert "deep" in check.message and "depth" in check.hint, verdict.to_text()
+    assert not {"age_tracks_truth", "not_fooled_by_depth", "status_from_level_and_trend"} & {
+        c.name for c in verdict.failures
+    }
+
+
+def test_an_intake_that_waits_instead_of_refusing_is_named(no_nats_url: None) -> None:
+    verdict = grade("05", source=VARIANTS / "waits_instead_of_refusing.py", seed=5)
+    check = failure(verdict, "refuses_over_budget")
+    assert "did not answer" in check.message and "at once" in check.hint, verdict.to_text()
+
+
+def test_plan_replays_from_its_seed() -> None:
+    for seed in range(1, 40):
+        plan = Plan.draw(seed)
+        assert plan == Plan.draw(seed)
+        assert 400 <= plan.burst <= 600 and 4 <= plan.kill_at <= 9 and 2 <= plan.refused <= 4
+    assert len({Plan.draw(seed) for seed in range(1, 40)}) > 10
+
+
+def test_the_status_windows_agree_with_the_rule() -> None:
+    for _, samples, budget, expected in status_cases(Plan.draw(1)):
+        assert expected_status(samples, budget) == expected
+    # Depth plays no part: the same ages, any depth, the same status.
+    ages = [Sample(0.0, 0.1, 1), Sample(0.1, 0.2, 1)]
+    deep = [Sample(t, a, 10_000) for t, a, _ in ages]
+    assert expected_status(ages, BUDGET) == expected_status(deep, BUDGET) == "WARNING"
+
+
+def test_true_age_bounds_cover_every_moment_of_a_call() -> None:
+    # Order 1 stored at 10.0, its ack sent at 12.0 and confirmed at 12.1; order 2 stored at 11.0, never acked.
+    truth = Truth([Handled(1, 10.0, "o-1", 12.0, 12.1), Handled(2, 11.0, "o-2")])
+    assert truth.bounds(10.5, 10.6)[:2] == pytest.approx((0.5, 0.6))  # only order 1 waits
+    lb, ub, oldest = truth.bounds(11.9, 12.2)  # the ack lands during the call: order 1 or order 2 is the oldest
+    assert (lb, ub) == pytest.approx((0.9, 2.2)) and oldest is not None and oldest.order_id == "o-1"
+    assert truth.bounds(13.0, 13.0)[:2] == pytest.approx((2.0, 2.0))  # order 2 alone
+    assert truth.bounds(9.0, 9.5)[:2] == (0.0, 0.0)  # nothing stored yet
+    assert math.isinf(Handled(3, 0.0, None).ack_done)
+
+
+def test_a_broken_file_fails_with_its_line(no_nats_url: None, tmp_path: Path) -> None:
+    broken = tmp_path / "intake.py"
+    broken.write_text("async def queue_age(env)\n    return 0.0\n")
+    verdict = grade("05", source=broken, seed=1)
+    assert [c.name for c in verdict.checks] == ["file_imports"]
+    assert "intake.py:1" in verdict.checks[0].message
+
+
+async def until(condition: Any, limit: float = 10.0) -> bool:
+    """Poll an async condition until it holds (True) or `limit` seconds pass (False)."""
+    deadline = asyncio.get_running_loop().time() + limit
+    while not await condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def over_budget(env: Any, lab: Any) -> bool:
+    return bool(await lab.queue_age(env) > env.age_budget)
+
+
+async def drained(env: Any, lab: Any) -> bool:
+    return bool(await lab.queue_depth(env) == 0)
+
+
+def test_playground_lets_a_learner_stall_the_workers_by_hand(no_nats_url: None) -> None:
+    import msglab
+
+    async def by_hand(solution: bool) -> list[str]:
+        env, lab = await msglab.playground("05", solution=solution)
+        try:
+            await env.workers.stall()
+            answers = [await lab.place_order(env, {"id": f"o-{i}", "sku": "s", "qty": 1}) for i in range(3)]
+            assert await until(lambda: over_budget(env, lab))  # the workers are stalled: the age only grows
+            answers.append(await lab.place_order(env, {"id": "o-late", "sku": "s", "qty": 1}))
+            env.workers.scale(4)
+            assert await until(lambda: drained(env, lab))
+            answers.append(await lab.place_order(env, {"id": "o-again", "sku": "s", "qty": 1}))
+            raw = await env.js.get_last_msg(env.stream("ORDERS"), env.subject("orders.placed"))
+            assert json.loads(raw.data)["id"] == "o-again"
+            return answers
+        finally:
+            await env.workers.close()
+            await msglab.playground_close(env)
+
+    assert asyncio.run(by_hand(solution=True)) == ["accepted"] * 3 + ["busy", "accepted"]

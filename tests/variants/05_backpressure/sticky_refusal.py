@@ -1,0 +1,59 @@
+"""Once the intake has refused, it keeps refusing for two seconds (a breaker that stays open).
+
+The workers drain the backlog in a moment, and customers are still turned away.
+Expect: fail refuses_only_over_budget
+"""
+
+
+import json
+import time
+
+from nats.js.errors import APIError, NotFoundError
+
+ACCEPTED, BUSY = "accepted", "busy"
+
+
+async def queue_depth(env) -> int:
+    """How many orders the durable has not seen acked: undelivered plus delivered-but-unacked."""
+    info = await env.js.consumer_info(env.stream("ORDERS"), env.durable("fulfil"))
+    return info.num_pending + info.num_ack_pending
+
+
+async def queue_age(env) -> float:
+    """Seconds the oldest order the fulfilment workers have not finished has waited; 0.0 when none waits."""
+    info = await env.js.consumer_info(env.stream("ORDERS"), env.durable("fulfil"))
+    try:
+        oldest = await env.js.get_msg(
+            env.stream("ORDERS"), info.ack_floor.stream_seq + 1, subject=env.subject("orders.placed"), next=True
+        )
+    except NotFoundError:
+        return 0.0  # nothing after the ack floor: every order is done
+    return max(0.0, time.time() - oldest.time.timestamp())
+
+
+def queue_status(samples, budget) -> str:
+    """OK, WARNING or ERROR from the monitor's recent samples (oldest first), by the rule in README.md."""
+    first, newest = samples[0], samples[-1]
+    if newest.age >= budget:
+        return "ERROR"
+    span = newest.t - first.t
+    if len(samples) >= 2 and span > 0 and newest.age - first.age >= 0.5 * span:
+        return "WARNING"
+    return "OK"
+
+
+async def place_order(env, order) -> str:
+    """Busy over the budget, and for two seconds after that."""
+    now = time.monotonic()
+    if now < getattr(env, "busy_until", 0.0):
+        return BUSY
+    if await queue_age(env) > env.age_budget:
+        env.busy_until = now + 2.0
+        return BUSY
+    try:
+        await env.js.publish(env.subject("orders.placed"), json.dumps(order).encode())
+    except APIError as exc:
+        if exc.err_code == 10077:
+            return BUSY
+        raise
+    return ACCEPTED
