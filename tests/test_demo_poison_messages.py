@@ -162,7 +162,7 @@ def test_strict_order_stalls_behind_the_poison(no_nats_url: None, server: Embedd
     assert moving.emails_behind_sent("o-1042") == 5 and moving.dlq_count("o-1042") == 1
     assert moving.first_behind("o-1042") is not None
     ages = moving.queue_ages("o-1042")
-    assert ages and ages[-1][1] == 0.0  # nobody waits at the end
+    assert ages and ages[-1][1] < 0.2  # nobody waits long at the end (a loaded machine may still be handing one out)
 
 
 def test_server_facts_the_lesson_shows(server: EmbeddedServer) -> None:

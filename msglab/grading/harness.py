@@ -186,8 +186,13 @@ class Child:
         Not `proc.wait()`: asyncio's wait also waits for the pipes to close, and a child the
         learner's code forked keeps them open for as long as it lives.
         """
-        while self.proc.returncode is None:  # noqa: ASYNC110 (the exit is only visible as returncode)
+        polls = 0
+        while self.proc.returncode is None:
             await asyncio.sleep(0.005)
+            polls += 1
+            # The zygote reports every exit; should a report not come, the process's own state decides.
+            if polls % 200 == 0 and self.proc.gone():
+                self.proc.returncode = -signal.SIGKILL
 
     async def call(self, op: str, timeout: float, **args: Any) -> Reply:
         """Ask a service child to run op; kill it if it does not answer within timeout."""

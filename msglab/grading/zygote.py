@@ -189,6 +189,14 @@ class LearnerProcess:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
 
+    def gone(self) -> bool:
+        """The process has exited (a zombie counts), whether or not the zygote reported it yet."""
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as stat:
+                return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        except (OSError, IndexError):
+            return True
+
     async def wait(self) -> int:
         """Wait until the zygote reports this process's end; return its exit code (negative: signal)."""
         import asyncio
