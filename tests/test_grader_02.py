@@ -49,7 +49,8 @@ def test_starter_fails_and_teaches_that_acking_first_loses_invoices(no_nats_url:
     lost = failure(verdict, "no_lost_invoices")
     assert "at-most-once" in lost.message  # the broken guarantee, named
     assert lost.trace[-1] == "never invoiced"
-    assert any("SIGKILLed by the grader before the invoice went out" in step for step in lost.trace)
+    # Which lost order the trace follows can depend on timing; each one shows a kill by the grader.
+    assert any("SIGKILLed by the grader" in step for step in lost.trace), lost.trace
 
 
 def test_batch_worker_is_allowed_exactly_the_duplicates_its_crash_explains(
