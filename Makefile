@@ -37,8 +37,8 @@ lab: $(RUNTIME)
 
 # Static checks first (seconds), then every test and notebook against real servers.
 test: $(DEV)
-	$(BIN)/ruff check msglab tests scripts conftest.py
-	$(BIN)/ruff format --check msglab tests scripts conftest.py
+	$(BIN)/ruff check --no-cache msglab tests scripts conftest.py
+	$(BIN)/ruff format --no-cache --check msglab tests scripts conftest.py
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 

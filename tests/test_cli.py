@@ -15,8 +15,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
 
+from conftest import ROOT, run_cli
 from msglab.broker.server import EmbeddedServer
 from msglab.grading.verdict import Check, Verdict
 

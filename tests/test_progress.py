@@ -13,8 +13,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
 
+from conftest import ROOT, run_cli
 from msglab import attempts
 from msglab.grading.verdict import Check, Verdict
 
