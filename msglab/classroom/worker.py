@@ -4,7 +4,7 @@
 then reads tasks as JSON lines on stdin ({"lab": ..., "source": ..., "seed": ...}) and answers each
 with one JSON line on a private copy of its stdout: the verdict as JSON (or the grader's error),
 the seconds it took, and the CPU it cost (its own and every process it started and reaped: the
-server, the fork server, the learner processes). Everything else it or a library prints goes to
+server, the run's fork server, the learner processes). Everything else it or a library prints goes to
 stderr, so nothing can break the protocol.
 
 A plain subprocess, not multiprocessing: it never re-imports the caller's __main__, and a worker
@@ -23,8 +23,12 @@ from typing import Any
 
 
 def _cpu() -> float:
+    from msglab.grading.zygote import forked_cpu
+
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    # The runs' learner processes are reaped by the nursery, which lives as long as this worker: they
+    # are not among our reaped children yet, so each run's zygote reports them.
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + forked_cpu()
 
 
 def grade_one(lab: str, source: str, seed: int) -> dict[str, Any]:

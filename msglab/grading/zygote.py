@@ -1,25 +1,36 @@
-"""A fork server for one grading run: `python -m msglab.grading.zygote GRADER CONTROL_FD`.
+"""Fork servers for grading runs: a nursery per grading process, a zygote per run.
 
 Python's start-up and `import nats` cost most of a learner process's CPU, paid once per process.
-The run starts one zygote instead, which imports them (and the lab's grader module) once and
-forks a learner process for each spawn: it gets its pipes and effect socket over the control
-socket (SCM_RIGHTS), confines itself (msglab.grading.sandbox) and runs msglab.grading.runner.
+So a grading process starts one nursery (`python -m msglab.grading.zygote NURSERY_FD`), a fresh
+interpreter that imports nats, the runner and each grader module once and holds no secret of the
+grader's. For each run it forks a zygote; for each spawn the zygote forks a learner process, which
+gets its pipes and effect socket over the run's control socket (SCM_RIGHTS), confines itself
+(msglab.grading.sandbox) and runs msglab.grading.runner. A verdict thus costs two forks, not an
+interpreter, and a class graded by one worker pays the imports once.
 
-The zygote is also the run's container: it is a child subreaper, so every process the learner's
-code starts, even one that double-forks into a session of its own, stays its descendant; when the
-grader closes the control socket (or dies), the zygote SIGKILLs every descendant, then exits.
+The zygote is the run's container: it is a child subreaper, so every process the learner's code
+starts, even one that double-forks into a session of its own, stays its descendant; when the grader
+shuts its side of the control socket (or dies), the zygote SIGKILLs every descendant, reports the
+CPU the run's processes spent, and exits. The nursery exits when its own socket closes, which the
+kernel does when the grading process ends, however it ends.
 
-Control protocol (a SOCK_SEQPACKET socket pair: one JSON message per packet, fds alongside):
-  grader -> zygote  {"spawn": {"env": {...}, "cwd": "...", "uid": null|int}} with 4 fds
-                    (stdin read end, stdout write end, stderr write end, effect socket)
-  zygote -> grader  {"pid": N}                  the new process, in spawn order
-                    {"exit": N, "code": C}      a learner process ended (C < 0: killed by signal -C)
+Nursery protocol (SOCK_SEQPACKET, one JSON message per packet):
+  grader -> nursery  {"zygote": GRADER_MODULE} with 1 fd (the zygote's end of the run's control socket)
+  nursery -> grader  {"pid": N} (or {"error": "..."})
+Run protocol (the control socket):
+  grader -> zygote   {"spawn": {"env": {...}, "cwd": "...", "uid": null|int}} with 4 fds
+                     (stdin read end, stdout write end, stderr write end, effect socket)
+  zygote -> grader   {"pid": N}                  the new process, in spawn order
+                     {"exit": N, "code": C}      a learner process ended (C < 0: killed by signal -C)
+                     {"done": CPU}               the run is over: every descendant is dead and reaped
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import fcntl
 import importlib
 import json
 import os
@@ -27,7 +38,9 @@ import random
 import select
 import signal
 import socket
+import subprocess
 import sys
+import threading
 from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -92,12 +105,11 @@ def _become_learner(spec: dict[str, object], fds: list[int], ctl: socket.socket)
 
     try:
         os.setsid()
-        stdin, stdout, stderr, fx = fds
-        os.dup2(stdin, 0)
-        os.dup2(stdout, 1)
-        os.dup2(stderr, 2)
-        os.dup2(fx, FX_FD)
-        ctl.close()
+        ctl.close()  # first: its number may be one of 0-3, which the pipes are about to take
+        # Lifted clear of 0-3 before placing: a received fd may already sit on a number another one needs.
+        lifted = [fcntl.fcntl(fd, fcntl.F_DUPFD, FX_FD + 1) for fd in fds]
+        for target, fd in enumerate(lifted):  # stdin, stdout, stderr, effect socket -> 0, 1, 2, FX_FD
+            os.dup2(fd, target)
         os.closerange(FX_FD + 1, 65536)  # nothing of the zygote's or another child's stays open
         env = dict(spec["env"])  # type: ignore[call-overload]
         env["MSGLAB_FX_FD"] = str(FX_FD)
@@ -114,22 +126,25 @@ def _become_learner(spec: dict[str, object], fds: list[int], ctl: socket.socket)
         with contextlib.suppress(Exception):
             os.write(2, f"msglab zygote: could not start the learner process: {exc!r}\n".encode())
         os._exit(70)
-    runner.main()
+    try:
+        runner.main()
+    except BaseException:
+        # Never let an exception climb into the zygote's or nursery's frames, which this fork shares.
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     os._exit(0)
 
 
-def main() -> None:
-    grader, control = sys.argv[1], int(sys.argv[2])
-    import nats  # noqa: F401  (imported once here, shared by every fork)
-
-    import msglab.grading.runner  # noqa: F401
-
-    importlib.import_module(grader)
+def _zygote(ctl: socket.socket) -> None:
+    """In a child of the nursery: serve one run's spawns until the grader shuts the control socket."""
+    os.setsid()  # a session of its own: nothing sent to the grader's group reaches the run
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG: the zygote dies with its grader
+    _prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG: the zygote dies with the nursery
     if os.getppid() == 1:
-        return  # the grader is already gone
-    ctl = socket.socket(fileno=control)
+        return  # the nursery is already gone
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -148,7 +163,7 @@ def main() -> None:
             except OSError:  # reset: the grader closed with our exit reports unread
                 return
             if not data:
-                return  # the grader closed the run (or died): end everything
+                return  # the grader ended the run (or died): end everything
             spec = json.loads(data)["spawn"]
             pid = os.fork()
             if pid == 0:
@@ -166,6 +181,56 @@ def main() -> None:
                 return
     finally:
         _kill_all()
+        _reap(ctl, ours)
+        with contextlib.suppress(OSError):
+            ctl.send(json.dumps({"done": _cpu()}).encode())
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and every descendant it reaped."""
+    import resource
+
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def main() -> None:
+    """The nursery: fork a zygote for each run asked for, until the grading process closes the socket."""
+    nursery = socket.socket(fileno=int(sys.argv[1]))
+    import nats  # noqa: F401  (imported once here, shared by every fork)
+
+    import msglab.grading.runner  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, lambda *_: _reap(None))  # zygotes end on their own; collect them
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(nursery, 65536, 1)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not data:
+            return  # the grading process is gone
+        try:
+            importlib.import_module(json.loads(data)["zygote"])  # once per grader: every later fork has it
+            pid = os.fork()
+        except Exception as exc:
+            for fd in fds:
+                os.close(fd)
+            nursery.send(json.dumps({"error": repr(exc)}).encode())
+            continue
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            nursery.close()
+            try:
+                _zygote(socket.socket(fileno=fds[0]))
+            finally:
+                os._exit(0)
+        os.close(fds[0])
+        try:
+            nursery.send(json.dumps({"pid": pid}).encode())
+        except OSError:
+            return
 
 
 if __name__ == "__main__":
@@ -206,14 +271,82 @@ class LearnerProcess:
         return self.returncode
 
 
+class Nursery:
+    """The grading process's handle on its nursery (see the module docstring): one per process, shared by threads."""
+
+    _lock = threading.Lock()
+    _current: Nursery | None = None
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # No PDEATHSIG: it would fire when the thread that started the nursery ends. The socket's
+            # end, closed by the kernel with this process, is what ends the nursery.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "msglab.grading.zygote", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self.sock = ours
+
+    @classmethod
+    def fork_zygote(cls, grader: str, control: int) -> int:
+        """A new zygote for one run, serving `control`; its pid. A nursery that died is replaced once."""
+        with cls._lock:
+            for _attempt in (1, 2):
+                if cls._current is None or cls._current.proc.poll() is not None:
+                    cls._current = Nursery()
+                try:
+                    socket.send_fds(cls._current.sock, [json.dumps({"zygote": grader}).encode()], [control])
+                    answer = cls._current.sock.recv(65536)
+                    if answer:
+                        reply = json.loads(answer)
+                        if "pid" in reply:
+                            return int(reply["pid"])
+                        raise RuntimeError(f"the nursery could not start a run: {reply.get('error')}")
+                except OSError:
+                    pass
+                cls._current.close()  # gone or broken: a fresh one next time round
+                cls._current = None
+            raise RuntimeError("the grading fork server did not start")
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """End the nursery (at exit: so its CPU is counted in this process's children)."""
+        with cls._lock:
+            if cls._current is not None:
+                cls._current.close()
+                cls._current = None
+
+
+atexit.register(Nursery.shutdown)
+
+_forked = [0.0]  # CPU of every finished run's zygote and learner processes (reaped by the nursery, not us)
+
+
+def forked_cpu() -> float:
+    """CPU seconds spent by the runs' zygotes and learner processes this process has finished so far."""
+    return _forked[0]
+
+
 class Zygote:
     """The grader's handle on its run's fork server."""
 
     def __init__(self, grader: str) -> None:
         self.grader = grader
-        self.proc: Any = None
+        self.pid: int | None = None
         self.sock: socket.socket | None = None
         self.processes: dict[int, LearnerProcess] = {}
+        self.cpu: float | None = None  # reported by the zygote when the run is over
         self._pids: Any = None  # asyncio.Queue of spawned pids, in order
         self._reader: Any = None
 
@@ -222,10 +355,7 @@ class Zygote:
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "msglab.grading.zygote", self.grader, str(theirs.fileno()),
-                pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+            self.pid = await asyncio.to_thread(Nursery.fork_zygote, self.grader, theirs.fileno())
         finally:
             theirs.close()
         ours.setblocking(False)
@@ -248,6 +378,9 @@ class Zygote:
                 await self._pids.put(message["pid"])
             elif "exit" in message and message["exit"] in self.processes:
                 self.processes[message["exit"]].returncode = int(message["code"])
+            elif "done" in message:
+                self.cpu = float(message["done"])
+                _forked[0] += self.cpu
         for process in self.processes.values():  # the zygote is gone, and every learner process with it
             if process.returncode is None:
                 process.returncode = -signal.SIGKILL
@@ -287,24 +420,22 @@ class Zygote:
         return process, grader_end
 
     async def stop(self) -> None:
-        """Close the control socket: the zygote kills every descendant and exits."""
+        """End the run: the zygote kills every descendant, reports their CPU and exits; wait for that."""
+        import asyncio
+
         if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_WR)
+            if self._reader is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._reader), 5)
+                except TimeoutError:
+                    self._reader.cancel()
+                    if self.pid is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(self.pid, signal.SIGKILL)  # its learners follow it (PDEATHSIG, subreaper gone)
             self.sock.close()
             self.sock = None
-        if self._reader is not None:
-            self._reader.cancel()
-        if self.proc is not None and self.proc.returncode is None:
-            try:
-                await asyncio_wait_for(self.proc.wait(), 5)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
         for process in self.processes.values():
             if process.returncode is None:
                 process.returncode = -signal.SIGKILL
-
-
-async def asyncio_wait_for(awaitable: Any, timeout: float) -> Any:
-    import asyncio
-
-    return await asyncio.wait_for(awaitable, timeout)
