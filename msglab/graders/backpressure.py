@@ -12,8 +12,9 @@ Workload (seeded), each phase ended by what the grader sees, with a cap:
   1. deep but fast: the workers stop, an import of 400-600 orders lands at once, the monitor is
      sampled and three orders are placed (the queue is deep, its oldest order a few ms old), then
      eight workers drain it in a moment;
-  2. over capacity: one slow worker (50 ms an order) while customers place orders back to back;
-     intake A is SIGKILLed right after its k-th acceptance (k from the seed, 4-9, counting phase 1's);
+  2. over capacity: one slow worker (50 ms an order) while customers place orders back to back, until
+     the age is just under the budget; intake A is SIGKILLed right after its k-th acceptance (k from
+     the seed, 4-9, counting phase 1's);
   3. stall: the workers stop; orders keep coming until the queue age is well over the budget;
   4. scale up: six workers drain the backlog; orders keep coming until the age has fallen back;
      then the stream refuses every publish (full, discard-new) for 2-4 orders, and accepts again;
@@ -703,10 +704,13 @@ async def _play(lab: Lab) -> None:
         a = lab.intakes[0]
         await run.wait_for(lambda: not a.alive or lab.intake() is None, PHASE_CAP)
 
-        async def half_budget() -> bool:
-            return lab.intake() is None or await lab.age_at_least(BUDGET / 2)
+        # Until the age is just under the budget: the orders placed on the way up (it climbs slowly here,
+        # a loaded machine only slows the customers and so the climb) are what tells an intake that
+        # refuses too early from one that refuses at the budget.
+        async def nearly_over() -> bool:
+            return lab.intake() is None or await lab.age_at_least(BUDGET - INTAKE_CLEAR)
 
-        await run.wait_for(half_budget, PHASE_CAP)
+        await run.wait_for(nearly_over, PHASE_CAP)
 
         # 3. stall: nobody works; the age climbs well over the budget while orders keep coming.
         lab.enter("stall")

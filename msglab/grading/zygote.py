@@ -18,9 +18,9 @@ Nursery protocol (SOCK_SEQPACKET, one JSON message per packet):
   grader -> nursery  {"zygote": GRADER_MODULE} with 1 fd (the zygote's end of the run's control socket)
   nursery -> grader  {"pid": N} (or {"error": "..."})
 Run protocol (the control socket):
-  grader -> zygote   {"spawn": {"env": {...}, "cwd": "...", "uid": null|int}} with 4 fds
+  grader -> zygote   {"spawn": {"env": {...}, "cwd": "...", "uid": null|int}, "id": K} with 4 fds
                      (stdin read end, stdout write end, stderr write end, effect socket)
-  zygote -> grader   {"pid": N}                  the new process, in spawn order
+  zygote -> grader   {"pid": N, "id": K}         the process spawn K started
                      {"exit": N, "code": C}      a learner process ended (C < 0: killed by signal -C)
                      {"done": CPU}               the run is over: every descendant is dead and reaped
 """
@@ -164,7 +164,8 @@ def _zygote(ctl: socket.socket) -> None:
                 return
             if not data:
                 return  # the grader ended the run (or died): end everything
-            spec = json.loads(data)["spawn"]
+            request = json.loads(data)
+            spec = request["spawn"]
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -176,7 +177,7 @@ def _zygote(ctl: socket.socket) -> None:
             for fd in fds:
                 os.close(fd)
             try:
-                ctl.send(json.dumps({"pid": pid}).encode())
+                ctl.send(json.dumps({"pid": pid, "id": request.get("id")}).encode())
             except OSError:
                 return
     finally:
@@ -347,7 +348,10 @@ class Zygote:
         self.sock: socket.socket | None = None
         self.processes: dict[int, LearnerProcess] = {}
         self.cpu: float | None = None  # reported by the zygote when the run is over
-        self._pids: Any = None  # asyncio.Queue of spawned pids, in order
+        # Each spawn waits for its own answer: a shared queue of pids handed one spawn's pid to
+        # another when two were in flight (a waiter woken but not yet running lost it to a newcomer).
+        self._spawns: dict[int, Any] = {}  # spawn id -> asyncio.Future of its pid
+        self._next_spawn = 0
         self._reader: Any = None
 
     async def start(self) -> Zygote:
@@ -360,7 +364,6 @@ class Zygote:
             theirs.close()
         ours.setblocking(False)
         self.sock = ours
-        self._pids = asyncio.Queue()
         self._reader = asyncio.ensure_future(self._read())
         return self
 
@@ -375,7 +378,9 @@ class Zygote:
                 break
             message = json.loads(data)
             if "pid" in message:
-                await self._pids.put(message["pid"])
+                waiting = self._spawns.pop(message.get("id"), None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(int(message["pid"]))
             elif "exit" in message and message["exit"] in self.processes:
                 self.processes[message["exit"]].returncode = int(message["code"])
             elif "done" in message:
@@ -384,7 +389,10 @@ class Zygote:
         for process in self.processes.values():  # the zygote is gone, and every learner process with it
             if process.returncode is None:
                 process.returncode = -signal.SIGKILL
-        await self._pids.put(0)
+        for waiting in self._spawns.values():
+            if not waiting.done():
+                waiting.set_result(0)
+        self._spawns.clear()
 
     async def spawn(self, env: dict[str, str], cwd: str, uid: int | None, limit: int) -> tuple[LearnerProcess, Any]:
         """Fork a learner process; return it and the grader's end of its effect socket."""
@@ -397,14 +405,18 @@ class Zygote:
         stderr_r, stderr_w = os.pipe()
         grader_end, child_end = socket.socketpair()
         child_fds = [stdin_r, stdout_w, stderr_w, child_end.fileno()]
+        self._next_spawn += 1
+        answer = self._spawns[self._next_spawn] = loop.create_future()
+        if self._reader is None or self._reader.done():
+            answer.set_result(0)  # the zygote is gone: nobody would answer
         try:
-            message = json.dumps({"spawn": {"env": env, "cwd": cwd, "uid": uid}}).encode()
+            message = json.dumps({"spawn": {"env": env, "cwd": cwd, "uid": uid}, "id": self._next_spawn}).encode()
             socket.send_fds(self.sock, [message], child_fds)
         finally:
             for fd in (stdin_r, stdout_w, stderr_w):
                 os.close(fd)
             child_end.close()
-        pid = await self._pids.get()
+        pid = await answer
         if not pid:
             raise RuntimeError("the run's fork server is gone")
         stdout = asyncio.StreamReader(limit=limit)
