@@ -10,8 +10,8 @@ its own, through the grading harness with this module as the "grader", on a stre
 for that run (`max_deliver`, `backoff`, `max_ack_pending`, `ack_wait` as asked). Each email is a
 string "<order id> <kind>": ok, bounce (the provider answers 422 forever), template (400: the
 template is not deployed), unreachable (502: the recipient's mail server is down), outage (an
-ordinary email, but the run starts with the provider down for `outage` seconds). Every delivery,
-settle (ack, nak with its delay, term), provider answer, dead letter and kill is recorded in the
+ordinary email, but the provider is down for `outage` seconds from the run's first request).
+Every delivery, settle (ack, nak with its delay, term), provider answer, dead letter and kill is recorded in the
 notebook's process with its clock; `Result` counts them. `kill="after_dead_letter"` SIGKILLs the
 first worker right after the DLQ stream confirmed its first dead letter, and starts a second one.
 `copier=` runs a second process that turns the server's MAX_DELIVERIES advisories into dead
@@ -353,7 +353,8 @@ class _Runner:
             await lab.spawn("copier", params={"copier": o["copier"].__name__})
         self.t0 = time.time()
         if o["outage"]:
-            await bench.provider.outage(bench.nc, o["outage"])
+            # From the first request: publishing and starting the worker must not use up the outage.
+            await bench.provider.outage(bench.nc, o["outage"], from_next_request=True)
             self.row("outage", "", seconds=o["outage"])
         seqs: dict[int, str] = {}
         for email in self.plan:

@@ -93,6 +93,7 @@ class Behaviour:
     """What the provider does right now; changed over `<prefix>.control` (or directly, when attached)."""
 
     down_until: float = 0.0  # time.time() until which every request gets 503
+    armed: float = 0.0  # an outage of this many seconds that starts with the next request
     templates: set[str] = field(default_factory=lambda: set(TEMPLATES))
     missing_mailboxes: set[str] = field(default_factory=set)
     unreachable_domains: set[str] = field(default_factory=set)
@@ -101,7 +102,10 @@ class Behaviour:
     def control(self, op: str, **args: Any) -> dict[str, Any]:
         """Apply one control operation; returns what the provider now does."""
         if op == "outage":
-            self.down_until = time.time() + float(args.get("seconds", 0))
+            if args.get("from_next_request"):
+                self.armed = float(args.get("seconds", 0))
+            else:
+                self.down_until = time.time() + float(args.get("seconds", 0))
         elif op == "template":
             (self.templates.add if args.get("known", True) else self.templates.discard)(str(args["name"]))
         elif op == "mailbox":
@@ -128,6 +132,7 @@ class Behaviour:
     def describe(self) -> dict[str, Any]:
         return {
             "down_for": max(0.0, round(self.down_until - time.time(), 3)),
+            "down_from_next_request_for": self.armed,
             "templates": sorted(self.templates),
             "missing_mailboxes": sorted(self.missing_mailboxes),
             "unreachable_domains": sorted(self.unreachable_domains),
@@ -136,6 +141,8 @@ class Behaviour:
     def answer(self, to: str, template: str) -> tuple[int, str]:
         """(status, text) for one send request: 200 and '' when the email goes out."""
         address = to.lower()
+        if self.armed:
+            self.down_until, self.armed = time.time() + self.armed, 0.0
         if time.time() < self.down_until:
             return 503, "503 Service Unavailable: the provider is down for maintenance, try again later"
         script = self.scripted.get(address)
@@ -306,9 +313,12 @@ class ProviderView:
             raise ValueError(answer["error"])
         return answer
 
-    async def outage(self, nc: Any, seconds: float) -> dict[str, Any]:
-        """Take the provider down (every request: 503) for `seconds`, starting now."""
-        return await self.control(nc, "outage", seconds=seconds)
+    async def outage(self, nc: Any, seconds: float, *, from_next_request: bool = False) -> dict[str, Any]:
+        """Take the provider down (every request: 503) for `seconds`, starting now or with the next request.
+
+        From the next request: an outage a loaded machine cannot spend before anyone has tried.
+        """
+        return await self.control(nc, "outage", seconds=seconds, from_next_request=from_next_request)
 
 
 class AttachedProvider(ProviderView):
