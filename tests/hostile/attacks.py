@@ -55,13 +55,17 @@ class Attack:
     name: str
     code: str
     own_user: bool = False  # only safe, or only meaningful, when learner code runs as a user of its own
-    every_lab: bool = True  # False: it strikes at import, before any lab code runs, so one lab shows it
+    # False: one lab shows it (the labs take turns), because it strikes at import, before any lab code
+    # runs, or because what stops it is the harness's alone (CPU and line limits), not a grader's.
+    every_lab: bool = True
 
 
 ATTACKS = [
     Attack("busy_loop_at_import", "while True:\n    pass\n", every_lab=False),
     Attack("blocking_sleep_at_import", "_time.sleep(3600)\n", every_lab=False),
-    Attack("busy_loop_in_handler", "_hostile(lambda env: exec('while True: pass'))\n"),
+    # A grader's own answer to a handler that never returns is tested in every lab by the blocking
+    # sleep; spinning adds only CPU, which the sandbox's limits handle the same way in every lab.
+    Attack("busy_loop_in_handler", "_hostile(lambda env: exec('while True: pass'))\n", every_lab=False),
     Attack("blocking_sleep_in_handler", "_hostile(lambda env: _time.sleep(3600))\n"),
     Attack("exit_at_import", "_os._exit(0)\n", every_lab=False),
     Attack("exit_in_handler", "_hostile(lambda env: _sys.exit(0))\n"),
@@ -103,8 +107,13 @@ for _i in range(100):
     ),
     Attack("kill_the_grader", "_hostile(lambda env: _os.kill(_os.getppid(), 9))\n", own_user=True),
     Attack("kill_own_process_group", "_hostile(lambda env: _os.killpg(0, 9))\n"),
-    Attack("flood_one_line", "_hostile(lambda env: _sys.stdout.write('x' * (100 << 20)))\n"),
-    Attack("flood_many_lines", "_hostile(lambda env: [print('spam', i) for i in range(300_000)], once=True)\n"),
+    # Output is read and capped by the harness, the same for every lab.
+    Attack("flood_one_line", "_hostile(lambda env: _sys.stdout.write('x' * (100 << 20)))\n", every_lab=False),
+    Attack(
+        "flood_many_lines",
+        "_hostile(lambda env: [print('spam', i) for i in range(300_000)], once=True)\n",
+        every_lab=False,
+    ),
     Attack(
         "forged_protocol_lines",
         """
