@@ -131,7 +131,7 @@ def register(subparsers: Any) -> None:
     grade.add_argument(
         "--out", default="grades", help="where the gradebook, feedback and verdicts go (default: grades)"
     )
-    grade.add_argument("--jobs", type=int, default=None, help="verdicts graded at once (default: two per core)")
+    grade.add_argument("--jobs", type=int, default=None, help="verdicts graded at once (default: one per core)")
     grade.add_argument("--salt", default="", help="mixed into every seed: learners cannot predict their faults")
     grade.add_argument("--learners", help="grade only these learners (comma-separated ids)")
     grade.add_argument("--no-progress", action="store_true", help="no progress bar")

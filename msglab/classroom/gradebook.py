@@ -121,15 +121,15 @@ class ClassResult:
 # --- the instructor's side ---------------------------------------------------------------------
 
 
-JOBS_PER_CORE = 2
+JOBS_PER_CORE = 1
 
 
 def default_jobs() -> int:
-    """Two jobs per core: a verdict waits on the grader's timers for about two thirds of its time.
+    """One job per core.
 
-    Measured on 2 cores, 30 learners x 5 labs: 1 job per core 250 s (the cores a third busy),
-    2 per core 122 s, 3 per core 102 s but with verdicts the load started to change (labs whose
-    graders are not yet load-proof), so 2.
+    Measured on 2 cores (`make bench`), 30 learners x 5 labs, 141 verdicts: 151 s with 2 jobs,
+    78 s with 4 (a verdict waits on the grader's timers for most of its time, so `--jobs` above
+    the cores pays while the machine has nothing else to do).
     """
     return max(1, JOBS_PER_CORE * (os.cpu_count() or 1))
 

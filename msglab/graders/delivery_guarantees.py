@@ -12,7 +12,7 @@ drawn from the seed (calls 1-3, so every crash falls on a request it could invoi
 
 Then the last incarnation is released together with five more requests: two normal ones, two the
 invoicing service cannot take for a while (ServiceUnavailable on every attempt for 1.05-1.15 s
-after the first, so retries spread over more than a second: rule 5), and one it can never take
+after the first, and on at least the first three, so retries spread over more than a second: rule 5), and one it can never take
 (AccountClosed, every time). The worker must judge from the error which is worth retrying. The
 grader restarts a worker that dies on its own (and fails it for that, rule 3) until the durable
 holds nothing. Once it is drained, the grader waits until the broker saw the running worker ask
@@ -74,6 +74,8 @@ TRANSIENT = 2  # of those published with the last incarnation: unavailable for a
 REFUSED = 1  # ...: refused for good (the customer's account is closed)
 OUTAGE = (1.05, 1.15)  # seconds a transient request stays unavailable after its first attempt: over a
 # second (rule 5); with redelivery every ack_wait its 3rd try (~0.8 s) still fails, its 4th (~1.2 s) succeeds
+UNAVAILABLE_TRIES = 3  # ... and it fails at least its first three tries: on a loaded machine, where the 3rd
+# try may come after the outage, a budget of three tries (max_deliver=3) must still lose it
 KINDS = {  # crash kind -> (counted point, moment), as nemesis plans name them
     "before_work": ("send_invoice", "before"),  # the n-th call of env.send_invoice
     "after_work": ("invoice_sent", "after"),  # the n-th invoice that went out (a refused call is no invoice)
@@ -280,6 +282,7 @@ class Billing:
         self.plan = plan
         self.requests: dict[str, Request] = {}
         self.first_attempt: dict[str, float] = {}
+        self.tries: dict[str, int] = {}  # attempts per transient request
         self.guarantees: list[Any] = []
         self.ended: dict[int, float] = {}  # pid -> when the process was seen to end (crash time for a crash)
         self.workers: list[Child] = []  # released, in order
@@ -320,7 +323,8 @@ class Billing:
             raise Refuse("AccountClosed", _closed_text(request.key, request.customer))
         if request is not None and request.kind == "transient":
             start = self.first_attempt.setdefault(request.key, now)
-            if now < start + request.outage:
+            self.tries[request.key] = tries = self.tries.get(request.key, 0) + 1
+            if now < start + request.outage or tries <= UNAVAILABLE_TRIES:
                 self.run.record_effect(child, "send_invoice", key, outcome="unavailable", call=call)
                 raise Refuse("ServiceUnavailable", _unavailable_text(request.key))
         self.run.record_effect(child, "send_invoice", key, outcome="sent", call=call)
