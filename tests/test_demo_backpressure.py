@@ -43,7 +43,9 @@ def test_one_stuck_order_keeps_the_queue_shallow_and_old_until_its_worker_is_kil
     stuck = run(lambda shop: shop.one_stuck(rate=10, hang=0.8))
     assert "SIGKILL" in stuck.marks
     assert max(stuck.depth) <= 3
-    assert max(stuck.age) > stuck.age[-1] and stuck.depth[-1] == 0  # redelivered after the SIGKILL, and done
+    # Redelivered after the SIGKILL and done: the run samples until the oldest waiting order is young again
+    # (a fresh one of the trickle may be waiting).
+    assert max(stuck.age) > 0.5 and stuck.age[-1] < 0.1
 
 
 def test_a_max_delivered_order_pins_the_ack_floor_until_the_next_ack(no_nats_url: None) -> None:

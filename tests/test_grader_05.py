@@ -92,7 +92,7 @@ def test_plan_replays_from_its_seed() -> None:
     for seed in range(1, 40):
         plan = Plan.draw(seed)
         assert plan == Plan.draw(seed)
-        assert 400 <= plan.burst <= 600 and 4 <= plan.kill_at <= 9 and 2 <= plan.refused <= 4
+        assert 200 <= plan.burst <= 300 and 4 <= plan.kill_at <= 9 and 2 <= plan.refused <= 4
     assert len({Plan.draw(seed) for seed in range(1, 40)}) > 10
 
 

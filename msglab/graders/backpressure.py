@@ -9,7 +9,7 @@ each order was acked). The learner's file runs in three processes: a monitor (th
 
 Workload (seeded), each phase ended by what the grader sees, with a cap:
   0. quiet: nothing waits; `orders.cancelled` events arrive every 0.1 s from here on;
-  1. deep but fast: the workers stop, an import of 400-600 orders lands at once, the monitor is
+  1. deep but fast: the workers stop, an import of 200-300 orders lands at once, the monitor is
      sampled and three orders are placed (the queue is deep, its oldest order a few ms old), then
      eight workers drain it in a moment;
   2. over capacity: one slow worker (50 ms an order) while customers place orders back to back, until
@@ -66,8 +66,8 @@ CLEAR = 0.15  # "clearly" under or over the budget, for the monitor's status
 INTAKE_CLEAR = 0.1  # ... and for the intake's answers
 DEEP, SHALLOW = 100, 5  # a deep queue holds at least this many orders; a shallow one at most this many
 CALL_DEADLINE = 3.0  # after this the grader declares a call hung and stops the process (calls take ms)
-SAMPLE_GAP = 0.04  # pause between two monitor samples
-ORDER_GAP = 0.01  # pause between two orders placed by the customers
+SAMPLE_GAP = 0.05  # pause between two monitor samples
+ORDER_GAP = 0.02  # pause between two orders placed by the customers
 WORK_SLOW = 0.05  # seconds a slow worker spends on an order in phase 2
 CANCEL_EVERY = 0.1
 QUIET = 0.3  # phase 0 lasts until the first cancellation has been in the stream this long
@@ -370,7 +370,7 @@ class Plan:
     def draw(cls, seed: int) -> Plan:
         r = rng(seed, "plan")
         # kill_at counts every acceptance: the three orders of phase 1 first, so the kill falls in phase 2.
-        return cls(r.randint(400, 600), r.randint(4, 9), r.randint(2, 4), (0.5, r.choice([2.0, 5.0]), 300.0))
+        return cls(r.randint(200, 300), r.randint(4, 9), r.randint(2, 4), (0.5, r.choice([2.0, 5.0]), 300.0))
 
 
 def status_cases(plan: Plan) -> list[tuple[str, list[Sample], float, str]]:

@@ -12,12 +12,12 @@ drawn from the seed (calls 1-3, so every crash falls on a request it could invoi
 
 Then the last incarnation is released together with five more requests: two normal ones, two the
 invoicing service cannot take for a while (ServiceUnavailable on every attempt for 1.05-1.15 s
-after the first, and on at least the first three, so retries spread over more than a second: rule 5), and one it can never take
-(AccountClosed, every time). The worker must judge from the error which is worth retrying. The
-grader restarts a worker that dies on its own (and fails it for that, rule 3) until the durable
-holds nothing. Once it is drained, the grader waits until the broker saw the running worker ask
-again after an empty fetch (BrokerWatch.refetched_after_idle) and publishes one late request:
-that same process must invoice it (rule 2).
+after the first, and on at least the first three, so retries spread over more than a second: rule
+5), and one it can never take (AccountClosed, every time). The worker must judge from the error
+which is worth retrying. The grader restarts a worker that dies on its own (and fails it for that,
+rule 3) until the durable holds nothing. Once it is drained, the grader waits until the broker saw
+the running worker ask again after an empty fetch (BrokerWatch.refetched_after_idle) and publishes
+one late request: that same process must invoice it (rule 2).
 
 What is judged, and from what (never from the learner's notes):
   the invoicing service's own record (effects answered by the grader), the grader's copy of
