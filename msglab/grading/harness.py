@@ -593,10 +593,9 @@ class Run:
         """
         deadline = time.monotonic() + timeout
         while True:
-            result = condition()
-            asked = not isinstance(result, bool)
-            if asked:
-                result = await result
+            answer = condition()
+            asked = not isinstance(answer, bool)
+            result = await answer if not isinstance(answer, bool) else answer
             if result:
                 return True
             if time.monotonic() >= deadline:
