@@ -1,7 +1,7 @@
 """Write the instructor guide's "common mistakes per lab" from the wrong variants and the graders' own words.
 
 Every tests/variants/NN_x/*.py (outside also_right/) is a mistake learners make, with an
-`Expect: fail <check>` line. This grades each one (seed 1, as tests/test_variants.py does) and
+`Expect: fail <check>` line. This grades each one (seed 1) and
 writes, per lab, what the mistake is (the variant's docstring) and what the grader says about it
 (the expected check's message, first lines, and hint) between the markers in docs/instructors.md:
 

@@ -1,6 +1,6 @@
 """Lab 01's grader judged on real runs: what its verdicts say, and that each rule's evidence is in them.
 
-Whether the starter, the solution and every variant get their expected verdict, on five seeds and
+Whether the starter, the solution and every variant get their expected verdict, on four seeds and
 under load, is tests/test_variants*.py; here, what the messages teach and what they must not claim.
 """
 

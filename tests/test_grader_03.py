@@ -1,7 +1,7 @@
 """Lab 03's grader judged on real runs, by behaviour: the starter fails with the incident's own story,
 a redelivery after the gateway's key window is caught and survivable, the race of two workers is
 decided only by the learner's uniqueness guarantee, and every claim a message makes is true of the
-evidence. (tests/test_variants.py grades every variant on five seeds; this file does not repeat it.)"""
+evidence. (tests/test_variants.py grades every variant on four seeds; this file does not repeat it.)"""
 
 from __future__ import annotations
 
