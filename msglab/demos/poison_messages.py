@@ -276,8 +276,8 @@ class Bench:
     ) -> Result:
         """Publish the emails, run `handler` on them in a worker process, and return what happened.
 
-        The run ends after `seconds`, or once every email is settled for good (acked, termed, or out of
-        deliveries), or at `timeout`.
+        The run ends `seconds` after the worker starts, or once every email is settled for good (acked,
+        termed, or out of deliveries), or at `timeout`.
         """
         if kill not in (None, "after_dead_letter"):
             raise ValueError("kill is None or 'after_dead_letter'")
@@ -363,12 +363,13 @@ class _Runner:
             seqs[int(ack.seq)] = email.order
             self.row("published", email.order, ts, seq=int(ack.seq))
         await _go(workers[0])
+        started = time.time()  # the experiment's length counts from here: publishing under load must not eat it
         deadline = time.monotonic() + o["timeout"]
         if o["kill"]:
             await lab.wait_for(lambda: not workers[0].alive, o["timeout"])
             await _go(workers[1])
         if o["seconds"] is not None:
-            await asyncio.sleep(max(0.0, self.t0 + o["seconds"] - time.time()))  # the experiment's length
+            await asyncio.sleep(max(0.0, started + o["seconds"] - time.time()))  # the experiment's length
         else:
             await lab.wait_for(lambda: self._settled(seqs, o), max(0.1, deadline - time.monotonic()))
         if o["redrive"] is not None:
