@@ -583,7 +583,16 @@ async def grade(run: Run) -> list[Check]:
         from msglab.errors import GraderError
 
         raise GraderError(lab.problems[0])
-    info = await run.js.consumer_info(run.names.stream(STREAM), run.names.durable(DURABLE))
+    stream, durable = run.names.stream(STREAM), run.names.durable(DURABLE)
+
+    async def all_acked() -> bool:
+        info = await run.js.consumer_info(stream, durable)
+        return not (info.num_pending or info.num_ack_pending) or not lab.workers_alive()
+
+    # A worker that has just credited a redelivery may still be sending its ack: on a loaded machine
+    # the broker can hear it a moment after the ledger shows the credit. Bounded: a stuck one stays.
+    await run.wait_for(all_acked, ACK_WAIT + 1.0)
+    info = await run.js.consumer_info(stream, durable)
     evidence = _Evidence.collect(lab, params["db_path"], info)
     return [
         _charged_once_check(evidence),
