@@ -39,6 +39,7 @@ def _grade(args: argparse.Namespace) -> int:
         salt=args.salt,
         learners=[name.strip() for name in args.learners.split(",")] if args.learners else None,
         progress=not args.no_progress,
+        assignment=args.assignment or "",
     )
     print(summary_text(result))
     if result.errors:
@@ -126,7 +127,8 @@ def register(subparsers: Any) -> None:
     release.set_defaults(func=_release)
 
     grade = subparsers.add_parser("grade", help="grade every learner's every lab: gradebook, feedback, verdicts")
-    grade.add_argument("submissions", help="a folder with one folder per learner, or a platform's zip export")
+    grade.add_argument("submissions", help="a folder with one folder per learner, Gradescope's export (zip or folder), "
+                       "GitHub Classroom's repositories, or another platform's zip")  # fmt: skip
     grade.add_argument("--labs", help="the labs to grade, e.g. 01,02 (default: every lab)")
     grade.add_argument(
         "--out", default="grades", help="where the gradebook, feedback and verdicts go (default: grades)"
@@ -135,6 +137,7 @@ def register(subparsers: Any) -> None:
     grade.add_argument("--salt", default="", help="mixed into every seed: learners cannot predict their faults")
     grade.add_argument("--learners", help="grade only these learners (comma-separated ids)")
     grade.add_argument("--no-progress", action="store_true", help="no progress bar")
+    grade.add_argument("--assignment", help="GitHub Classroom: the repositories' name prefix (default: found)")
     grade.set_defaults(func=_grade)
 
     classroom = subparsers.add_parser("classroom", help="a shared server for a workshop, its status, an autograder")

@@ -164,15 +164,20 @@ def grade_class(
     learners: list[str] | None = None,
     progress: bool = True,
     stream: TextIO | None = None,
+    assignment: str = "",
 ) -> ClassResult:
-    """Grade every learner's every lab in `submissions`; write the gradebook, feedback and verdicts to `out`."""
+    """Grade every learner's every lab in `submissions`; write the gradebook, feedback and verdicts to `out`.
+
+    assignment: GitHub Classroom's repository prefix (default: found from the repositories' names).
+    """
     stream = stream or sys.stderr
     started = time.perf_counter()
     labs = labs or all_labs()
     course_labs = all_labs()
     points = {lab.name: lab_points(lab) for lab in labs}
     starters = {lab.name: (lab.folder / lab.file).read_bytes() for lab in labs if (lab.folder / lab.file).is_file()}
-    found = read_submissions(submissions)
+    found = read_submissions(submissions, assignment)
+    found.require_lab_files(labs, course_labs)  # a layout not understood stops here, before any verdict
     ids = sorted(found.learners)
     if learners:
         missing = sorted(set(learners) - set(ids))

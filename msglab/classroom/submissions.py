@@ -9,8 +9,20 @@ platform exports it). Inside a learner's folder, a lab's file is found by its na
     alice/orders.py                                   just the edited files (when no two labs share a name)
 
 Platform exports understood: a zip whose learner folders sit in one wrapper folder (it is
-skipped), Moodle's `Full Name_123_assignsubmission_file_/` folders (the suffix is dropped), and
-Canvas's flat `name_LATE_123_456_orders-1.py` files (learner `name_123`).
+skipped), Moodle's `Full Name_123_assignsubmission_file_/` folders (the suffix is dropped),
+Canvas's flat `name_LATE_123_456_orders-1.py` files (learner `name_123`), and:
+
+    assignment_4242_export/                 Gradescope's "Export Submissions" (zip or unzipped folder)
+      submission_metadata.yml               submission_<id> -> :submitters: [{:name:, :sid:, :email:}]
+      submission_91817/orders.py            learner: the submitter's sid (else email, else name);
+                                            a group is its sids joined with "+"
+    take-home-submissions/                  GitHub Classroom (`gh classroom clone student-repos`)
+      take-home-alice/.git, ...             learner: the login, without the assignment's prefix
+
+A learner id is what seeds their runs, so it must not change between two exports of one class: a
+sid, an email, a login, never Gradescope's submission id (a resubmission gets a new one). A layout
+that cannot be understood (an export's metadata that does not match its folders, or no lab file in
+any learner's folder at all) is a SubmissionsError, never a class of empty rows.
 
 Only the lab files are read, nothing else: no file is extracted, links are never followed
 (a link is reported, not graded), and a lab file over MAX_BYTES is not read.
@@ -25,6 +37,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from msglab.catalog import Lab
 from msglab.errors import MsglabError
@@ -37,6 +50,8 @@ SKIP_DIRS = {"__MACOSX", "__pycache__", ".ipynb_checkpoints", ".git", ".venv", "
 _MOODLE = re.compile(r"^(?P<learner>.+?)_assignsubmission_[a-z]+_?$")
 _CANVAS = re.compile(r"^(?P<name>[A-Za-z0-9-]+?)(?:_late)?_(?P<uid>\d+)_(?P<sub>\d+)_(?P<file>.+)$", re.I)
 _RESUBMITTED = re.compile(r"^(?P<stem>.+?)-\d+(?P<suffix>\.[^.]+)$")  # Canvas renames orders.py to orders-1.py
+GRADESCOPE_METADATA = "submission_metadata.yml"
+_GRADESCOPE_FOLDER = re.compile(r"^submission_\d+$")
 
 
 class SubmissionsError(MsglabError):
@@ -64,6 +79,15 @@ class Found:
     problem: str = ""  # set when content is None
 
 
+@dataclass(frozen=True)
+class Person:
+    """Who handed a submission in, as the platform's export names them (empty when it does not say)."""
+
+    name: str = ""
+    sid: str = ""
+    email: str = ""
+
+
 @dataclass
 class Submissions:
     """Every learner's entries, by learner id, and notes on what was skipped."""
@@ -71,18 +95,40 @@ class Submissions:
     source: str
     learners: dict[str, list[Entry]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    people: dict[str, list[Person]] = field(default_factory=dict)  # learner id -> submitters, when the export says
+    shape: str = "folders"  # the layout understood: folders, gradescope export, github classroom
+    repos: set[str] = field(default_factory=set)  # learner folders that are git repositories
+    wrapper: str = ""  # the export's top folder's name, when it had one
+    metadata: bytes | None = None  # Gradescope's submission_metadata.yml, when the export holds one
 
     def find(self, learner: str, lab: Lab, labs: list[Lab]) -> Found:
         """The learner's file for `lab` (`labs`: every lab of the course, to know which names are unique)."""
         return find_lab_file(learner, self.learners.get(learner, []), lab, labs)
 
+    def require_lab_files(self, labs: list[Lab], course: list[Lab]) -> None:
+        """Raise SubmissionsError when no learner's folder holds a file of any of `labs`: a layout not understood."""
+        for learner in self.learners:
+            if any(self.find(learner, lab, course).content is not None for lab in labs):
+                return
+        names = ", ".join(sorted(self.learners)[:3]) + (" ..." if len(self.learners) > 3 else "")
+        files = ", ".join(sorted({lab.file for lab in labs}))
+        raise SubmissionsError(
+            f"{self.source}: layout not understood: no lab file ({files}) found for any of "
+            f"{len(self.learners)} learner(s) ({names or 'none'}); nothing was graded",
+            hint="give a folder (or zip) with one folder per learner, Gradescope's export, or GitHub Classroom's "
+            "repositories (see `msglab grade --help`)",
+        )
 
-def read_submissions(path: Path) -> Submissions:
-    """Read a submissions folder or zip (see the module docstring)."""
+
+def read_submissions(path: Path, assignment: str = "") -> Submissions:
+    """Read a submissions folder or zip (see the module docstring).
+
+    assignment: GitHub Classroom's assignment prefix of the repositories' names (default: found).
+    """
     if path.is_dir():
-        return _from_folder(path)
+        return _platforms(_from_folder(path), assignment)
     if path.is_file() and zipfile.is_zipfile(path):
-        return _from_zip(path)
+        return _platforms(_from_zip(path), assignment)
     if not path.exists():
         raise SubmissionsError(f"{path} does not exist", hint="give the folder (one folder per learner) or a zip")
     raise SubmissionsError(f"{path} is neither a folder nor a zip file", hint="give the folder or the platform's zip")
@@ -95,13 +141,22 @@ def _learner_id(name: str) -> str:
 
 def _from_folder(root: Path) -> Submissions:
     found = Submissions(str(root))
+    inside = [e for e in os.scandir(root) if not e.name.startswith(".") and e.name not in SKIP_DIRS]
+    if len(inside) == 1 and inside[0].is_dir(follow_symlinks=False) and _is_wrapper(Path(inside[0].path)):
+        root = Path(inside[0].path)  # the export's own top folder, unzipped as it is
+    found.wrapper = root.name
     for item in sorted(os.scandir(root), key=lambda e: e.name):
+        if item.name == GRADESCOPE_METADATA and item.is_file(follow_symlinks=False):
+            found.metadata = _file_reader(Path(item.path))()
+            continue
         if item.name.startswith(".") or item.name in SKIP_DIRS:
             continue
         if item.is_symlink():
             found.notes.append(f"{item.name}: a symbolic link, skipped (links are never followed)")
         elif item.is_dir(follow_symlinks=False):
             found.learners.setdefault(_learner_id(item.name), []).extend(walk(Path(item.path)))
+            if os.path.lexists(os.path.join(item.path, ".git")):
+                found.repos.add(_learner_id(item.name))
         elif (canvas := _CANVAS.match(item.name)) and item.is_file(follow_symlinks=False):
             entry = Entry(PurePosixPath(_original_name(canvas.group("file"))), item.stat().st_size, False,
                           _file_reader(Path(item.path)))  # fmt: skip
@@ -138,18 +193,24 @@ def _from_zip(path: Path) -> Submissions:
     found = Submissions(str(path))
     archive = zipfile.ZipFile(path)
     members = []
+    repos: set[tuple[str, ...]] = set()  # the folders holding a .git: GitHub Classroom's repositories
     for info in archive.infolist():
         parts = PurePosixPath(info.filename.replace("\\", "/")).parts
+        if ".git" in parts and ".." not in parts:
+            repos.add(parts[: parts.index(".git")])
         if info.is_dir() or not parts or any(p in ("..", "") or p.startswith(".") or p in SKIP_DIRS for p in parts):
             continue
         members.append((parts, info))
     # Wrapper folders (an export's top folder) hold learner folders and platform files, never a
     # lab's file or folder: a single top folder holding one of those is a learner's, not a wrapper.
+    depth = 0
     while members and len({parts[0] for parts, _ in members}) == 1 and all(len(parts) > 1 for parts, _ in members):
         inside = [parts[1:] for parts, _ in members]
-        if any(_looks_like_lab_folder(rest[0]) if len(rest) > 1 else not _CANVAS.match(rest[0]) for rest in inside):
+        if any(_looks_like_lab_folder(rest[0]) if len(rest) > 1 else not _platform_file(rest[0]) for rest in inside):
             break
+        found.wrapper = members[0][0][0]
         members = [(parts[1:], info) for parts, info in members]
+        depth += 1
 
     def reader(info: zipfile.ZipInfo) -> Callable[[], bytes]:
         def read() -> bytes:
@@ -160,6 +221,9 @@ def _from_zip(path: Path) -> Submissions:
 
     for parts, info in members:
         link = stat.S_ISLNK(info.external_attr >> 16)
+        if parts == (GRADESCOPE_METADATA,):
+            found.metadata = reader(info)()
+            continue
         if len(parts) == 1:
             canvas = _CANVAS.match(parts[0])
             if not canvas:
@@ -172,7 +236,133 @@ def _from_zip(path: Path) -> Submissions:
         entries = found.learners.setdefault(learner, [])
         if len(entries) < MAX_FILES:
             entries.append(Entry(PurePosixPath(*relative), info.file_size, link, reader(info)))
+    found.repos = {_learner_id(repo[depth]) for repo in repos if len(repo) == depth + 1}
     return found
+
+
+def _platform_file(name: str) -> bool:
+    """A file an export keeps beside its learners' folders (or a Canvas learner's flat file)."""
+    return name == GRADESCOPE_METADATA or bool(_CANVAS.match(name))
+
+
+def _is_wrapper(folder: Path) -> bool:
+    """An export's top folder, unzipped: it holds Gradescope's metadata, or is GitHub Classroom's `*-submissions`."""
+    return (folder / GRADESCOPE_METADATA).is_file() or folder.name.endswith("-submissions")
+
+
+# --- platforms ----------------------------------------------------------------------------------
+
+
+def _platforms(found: Submissions, assignment: str) -> Submissions:
+    """Learner ids as the platform that exported the submissions knows them."""
+    if found.metadata is not None:
+        return _gradescope(found)
+    if any(_GRADESCOPE_FOLDER.match(name) for name in found.learners):
+        raise SubmissionsError(
+            f"{found.source}: submission_<id> folders without Gradescope's {GRADESCOPE_METADATA}: the learners "
+            "cannot be told apart from their submissions",
+            hint="grade the whole export as Gradescope writes it (the zip, or its assignment_<id>_export folder)",
+        )
+    if assignment or (found.repos and found.repos == set(found.learners)):
+        return _github_classroom(found, assignment)
+    return found
+
+
+def _gradescope(found: Submissions) -> Submissions:
+    """Map each submission_<id> folder to its submitters, from the export's submission_metadata.yml."""
+    assert found.metadata is not None
+
+    def broken(what: str) -> SubmissionsError:
+        hint = "export the submissions again from Gradescope and grade the zip as it is"
+        return SubmissionsError(f"{found.source}: Gradescope's {GRADESCOPE_METADATA} {what}", hint=hint)
+
+    try:
+        data = _load_yaml(found.metadata)
+    except Exception as exc:  # any YAML or decoding error: the export is not what Gradescope writes
+        raise broken(f"cannot be read: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(data, dict) or not data:
+        raise broken("lists no submissions")
+    learners: dict[str, list[Entry]] = {}
+    people: dict[str, list[Person]] = {}
+    for folder, record in sorted(data.items(), key=lambda item: str(item[0])):
+        submitters = _plain(record).get("submitters") if isinstance(record, dict) else None
+        if not _GRADESCOPE_FOLDER.match(str(folder)) or not isinstance(submitters, list) or not submitters:
+            raise broken(f"has an entry that is not a submission with submitters: {str(folder)[:60]!r}")
+        persons = [_person(s) for s in submitters]
+        ids = [p.sid or p.email or p.name for p in persons]
+        if not all(ids):
+            raise broken(f"names a submitter of {folder} with no sid, email or name")
+        learner = "+".join(ids)
+        if learner in learners:
+            raise broken(f"lists {learner} in two submissions ({folder} and another)")
+        learners[learner] = found.learners.get(str(folder), [])
+        people[learner] = persons
+    unlisted = sorted(set(found.learners) - set(data))
+    if unlisted:
+        raise broken(f"does not list the folder(s) {', '.join(unlisted[:3])}: not the export's own metadata")
+    found.learners, found.people, found.shape = learners, people, "gradescope export"
+    return found
+
+
+def _load_yaml(text: bytes) -> Any:
+    """YAML as Gradescope's Ruby writes it: plain mappings, plus tags such as !ruby/hash read as what they hold."""
+    import yaml  # PyYAML (JupyterLab's dependency, through jupyter_events)
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def untagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            return loader.construct_mapping(node, deep=True)
+        if isinstance(node, yaml.SequenceNode):
+            return loader.construct_sequence(node, deep=True)
+        return loader.construct_scalar(node)
+
+    Loader.add_multi_constructor("!", untagged)
+    return yaml.load(text.decode("utf-8"), Loader=Loader)  # a SafeLoader: no arbitrary objects
+
+
+def _plain(record: dict[Any, Any]) -> dict[str, Any]:
+    """Ruby's symbol keys (`:sid`) as plain names."""
+    return {str(key).lstrip(":"): value for key, value in record.items()}
+
+
+def _person(submitter: Any) -> Person:
+    fields = _plain(submitter) if isinstance(submitter, dict) else {}
+    text = {key: "" if fields.get(key) is None else str(fields[key]).strip() for key in ("name", "sid", "email")}
+    return Person(**text)
+
+
+def _github_classroom(found: Submissions, assignment: str) -> Submissions:
+    """Repositories named `<assignment>-<login>`: the learner is the login."""
+    names = sorted(found.learners)
+    if assignment:
+        prefix = assignment.rstrip("-") + "-"
+    elif found.wrapper.endswith("-submissions") and all(
+        n.startswith(_slug(found.wrapper.removesuffix("-submissions")) + "-") for n in names
+    ):
+        prefix = _slug(found.wrapper.removesuffix("-submissions")) + "-"
+    elif len(names) > 1:
+        common = os.path.commonprefix(names)  # noqa: RUF071 (names, not paths)
+        prefix = common[: common.rfind("-") + 1]
+    else:
+        prefix = ""
+    if not prefix or not all(n.startswith(prefix) and len(n) > len(prefix) for n in names):
+        if assignment:
+            raise SubmissionsError(f"{found.source}: not every repository is named {prefix}<login>",
+                                   hint="give the assignment's prefix as the repositories' names start")  # fmt: skip
+        found.notes.append("git repositories with no common `<assignment>-` prefix: their folder names are the ids")
+        return found
+    found.learners = {name[len(prefix) :]: entries for name, entries in found.learners.items()}
+    found.repos = {name[len(prefix) :] for name in found.repos}
+    found.people = {login: [Person(name=login)] for login in found.learners}
+    found.shape = "github classroom"
+    found.notes.append(f"GitHub Classroom repositories: learner ids are the logins after {prefix!r}")
+    return found
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
 def _original_name(name: str) -> str:
