@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 from typing import Any
+
+from nats.js.errors import NotFoundError
 
 from msglab.broker import connect
 from msglab.broker.server import EmbeddedServer
@@ -25,6 +28,16 @@ async def nak_at_once(env: Any, msg: Any) -> None:
         await env.send_email(json.loads(msg.data))
     except Exception:
         await msg.nak()
+        return
+    await msg.ack_sync()
+
+
+async def nak_with_backoff(env: Any, msg: Any) -> None:
+    n = msg.metadata.num_delivered
+    try:
+        await env.send_email(json.loads(msg.data))
+    except Exception:
+        await msg.nak(delay=DELAYS[min(n, len(DELAYS)) - 1])
         return
     await msg.ack_sync()
 
@@ -53,14 +66,20 @@ async def with_dlq(env: Any, msg: Any) -> None:
     await msg.ack_sync()
 
 
-async def redrive(env: Any, order_ids: list[str]) -> None:
-    last = (await env.js.stream_info(env.dlq_stream)).state.last_seq
-    for seq in range(1, last + 1):
-        entry = await env.js.get_msg(env.dlq_stream, seq)
+async def redrive(env: Any, order_ids: list[str], remove: bool = True) -> None:
+    seq = 1
+    while True:
+        try:
+            entry = await env.js.get_msg(env.dlq_stream, seq, subject=env.dlq_subject, next=True)
+        except NotFoundError:
+            return
+        seq = entry.seq + 1
         if entry.headers.get("Order-Id") in order_ids:
             headers = {k: v for k, v in entry.headers.items() if not k.startswith(("Dlq-", "Nats-"))}
-            headers["Nats-Msg-Id"] = f"redrive-{seq}"
+            headers["Nats-Msg-Id"] = f"redrive-{entry.seq}"
             await env.js.publish(env.subject, entry.data, headers=headers)
+            if remove:
+                await env.js.delete_msg(env.dlq_stream, entry.seq)
 
 
 ID_DEAD_LETTERS = False  # shipped to the worker as a constant; each test module run writes it in
@@ -148,37 +167,70 @@ def test_dead_letters_once_with_an_id_and_twice_without_after_a_kill(no_nats_url
 def test_budget_drops_silently_and_redrive_sends_each_once(no_nats_url: None, server: EmbeddedServer) -> None:
     inbox = bench_run(
         server, with_dlq, ["o-1044 template", "o-1045 unreachable", "o-2001 ok"], max_deliver=5,
-        fix=["o-1044", "o-1045"], redrive=redrive, redrive_runs=2,
+        fix=["o-1044", "o-1045"], redrive=partial(redrive, remove=False), redrive_runs=2,
     )  # fmt: skip
     assert [d.order for d in inbox.dlq] == ["o-1044", "o-1045"]
     assert inbox.dlq[1].deliveries == "5"  # the unreachable server: retried to the end of the budget
-    assert inbox.sent == {"o-1044": 1, "o-1045": 1, "o-2001": 1}
-    assert inbox.ended("o-1044") == "sent"
+    assert inbox.sent == {"o-1044": 1, "o-1045": 1, "o-2001": 1}  # the rerun inside the window: dropped by id
+    assert inbox.ended("o-1044") == "sent" and inbox.dlq_window == 120
+
+
+def test_a_rerun_past_the_window_sends_again_unless_the_redrive_removed_its_entries(
+    no_nats_url: None, server: EmbeddedServer
+) -> None:
+    later = {"redrive_runs": 2, "redrive_gap": 0.5, "window": 0.2}
+    emails = ["o-1042 bounce", "o-1044 template"]
+    id_only = bench_run(
+        server, with_dlq, emails, max_deliver=5, fix=["o-1044"], redrive=partial(redrive, remove=False), **later
+    )
+    removed = bench_run(server, with_dlq, emails, max_deliver=5, fix=["o-1044"], redrive=redrive, **later)
+    assert id_only.sent["o-1044"] == 2 and [d.order for d in id_only.dlq] == ["o-1042", "o-1044"]
+    assert removed.sent["o-1044"] == 1 and [d.order for d in removed.dlq] == ["o-1042"]
+    assert removed.sent["o-1042"] == 0 == id_only.sent["o-1042"]
 
 
 def test_strict_order_stalls_behind_the_poison(no_nats_url: None, server: EmbeddedServer) -> None:
     line = ["o-1042 bounce", *demo.orders(5)]
+    stuck = bench_run(server, nak_with_backoff, line, max_ack_pending=1, seconds=0.5)
+    assert stuck.emails_behind_sent("o-1042") == 0 and stuck.deliveries("o-1042") >= 2
+    assert stuck.finished() == {}  # nothing acked or termed: the queue age is the poison's, the whole run
+    ages = [age for _, age in stuck.queue_ages()]
+    assert ages == sorted(ages) and ages[-1] > 0
     moving = bench_run(server, with_dlq, line, max_ack_pending=1, max_deliver=5)
     assert moving.emails_behind_sent("o-1042") == 5 and moving.dlq_count("o-1042") == 1
-    assert moving.first_behind("o-1042") is not None
+    assert moving.first_behind("o-1042") is not None and set(moving.finished()) == {e.split()[0] for e in line}
     # Strict order: nothing behind the poison is delivered before its last delivery.
     behind = [t for email in demo.orders(5) for t in moving.times(email.split()[0])]
     assert len(behind) >= 5 and min(behind) > max(moving.times("o-1042"))
 
 
 def test_server_facts_the_lesson_shows(server: EmbeddedServer) -> None:
-    async def go() -> tuple[Any, tuple[int, int]]:
+    async def go() -> tuple[Any, ...]:
         nc = await connect(server.url)
         js = nc.jetstream()
         try:
-            return await demo.consumer_rules(js, DELAYS), await demo.advisory_needs_a_pull(js)
+            return (
+                await demo.consumer_rules(js, DELAYS), await demo.advisories_by_kind(js),
+                await demo.durable_defaults(js), await demo.nak_keeps_its_slot(js, delay=0.3),
+            )  # fmt: skip
         finally:
             await nc.close()
 
-    rules, advisories = asyncio.run(go())
+    rules, advisories, defaults, held = asyncio.run(go())
     assert [row[1] for row in rules.rows] == ["accepted", "accepted", "refused"]
     assert "ack_wait 0.05 s" in rules.rows[0][2] and "10116" in rules.rows[2][2]
-    assert advisories == (0, 1)
+    # A pull durable's advisory waits for a pull request; a push durable's does not.
+    assert (advisories.pull_idle, advisories.pull_fetched, advisories.push) == (0, 1, 1)
+    assert defaults["max_deliver"] == -1 and defaults["backoff"] is None
+    # The naked order kept the only max_ack_pending slot: the next fetch is its redelivery, not the next order.
+    assert (held.data, held.delivery) == ("o-1042", 2)
+
+
+def test_without_jitter_every_retry_returns_in_the_same_instant() -> None:
+    table = demo.return_after_outage(clients=200, outage=10, delays=[1, 2, 4, 8, 16])
+    busiest = {row[0]: row[1] for row in table.rows}
+    assert busiest["backoff"] == 200 and busiest["Retry-After: 10 (once)"] == 200
+    assert busiest["backoff with jitter"] < 50 and busiest["Retry-After: 10, plus jitter"] < 50
 
 
 def test_the_handler_travels_with_the_helpers_and_constants_it_uses() -> None:

@@ -16,7 +16,8 @@ notebook's process with its clock; `Result` counts them. `kill="after_dead_lette
 first worker right after the DLQ stream confirmed its first dead letter, and starts a second one.
 `copier=` runs a second process that turns the server's MAX_DELIVERIES advisories into dead
 letters; `redrive=` runs a cell's redrive function after `fix` (the causes of those orders are
-fixed at the provider), `redrive_runs` times.
+fixed at the provider), `redrive_runs` times, `redrive_gap` seconds apart; `window` shortens the email
+stream's duplicate window (where redriven emails land), so a rerun can come after it.
 """
 
 from __future__ import annotations
@@ -272,6 +273,8 @@ class Bench:
         fix: Sequence[str] = (),
         redrive: Callable[..., Awaitable[Any]] | None = None,
         redrive_runs: int = 1,
+        redrive_gap: float = 0.0,
+        window: float | None = None,
         timeout: float = 8.0,
     ) -> Result:
         """Publish the emails, run `handler` on them in a worker process, and return what happened.
@@ -290,7 +293,8 @@ class Bench:
                 return await _Runner(self, lab, plan).go(
                     handler, max_deliver=max_deliver, backoff=backoff, max_ack_pending=max_ack_pending,
                     ack_wait=ack_wait, seconds=seconds, outage=outage, kill=kill, copier=copier, fix=fix,
-                    redrive=redrive, redrive_runs=redrive_runs, timeout=timeout, started=started,
+                    redrive=redrive, redrive_runs=redrive_runs, redrive_gap=redrive_gap, window=window,
+                    timeout=timeout, started=started,
                 )  # fmt: skip
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -322,8 +326,9 @@ class _Runner:
             planned.append(lab.spawn("worker", params=params))
         spawning = asyncio.ensure_future(asyncio.gather(*planned))
         stream = names.stream(STREAM)
-        await lab.js.add_stream(name=stream, subjects=[names.subject(SUBJECT)])
-        await lab.js.add_stream(name=names.stream(DLQ_STREAM), subjects=[names.subject(DLQ_SUBJECT)])
+        window = {} if o["window"] is None else {"duplicate_window": o["window"]}
+        await lab.js.add_stream(name=stream, subjects=[names.subject(SUBJECT)], **window)
+        dlq_info = await lab.js.add_stream(name=names.stream(DLQ_STREAM), subjects=[names.subject(DLQ_SUBJECT)])
         config = ConsumerConfig(
             durable_name=names.durable(DURABLE), ack_policy=AckPolicy.EXPLICIT, ack_wait=o["ack_wait"],
             max_deliver=o["max_deliver"], max_ack_pending=o["max_ack_pending"],
@@ -387,7 +392,7 @@ class _Runner:
             handler=handler.__name__, emails=[e.order for e in self.plan], rows=sorted(self.rows, key=lambda r: r.t),
             dlq=[DeadLetter.of(raw) for raw in dlq], consumer=consumer, pending=int(info.num_pending),
             ack_pending=int(info.num_ack_pending), stored=int(stream_state.messages),
-            seconds=time.perf_counter() - o["started"],
+            dlq_window=float(dlq_info.config.duplicate_window or 0), seconds=time.perf_counter() - o["started"],
         )  # fmt: skip
 
     def _serve_effects(self) -> None:
@@ -449,6 +454,8 @@ class _Runner:
         self.row("fixed", ",".join(o["fix"]))
         env = RedriveEnv(lab)
         for number in range(1, o["redrive_runs"] + 1):
+            if number > 1 and o["redrive_gap"]:
+                await asyncio.sleep(o["redrive_gap"])  # the experiment: the rerun comes this much later
             before = int((await lab.js.stream_info(lab.names.stream(STREAM))).state.last_seq)
             await o["redrive"](env, list(o["fix"]))
             after = int((await lab.js.stream_info(lab.names.stream(STREAM))).state.last_seq)
@@ -552,6 +559,7 @@ class Result:
     pending: int  # messages the durable has not delivered yet, at the end
     ack_pending: int  # delivered and not settled, at the end
     stored: int  # messages in the email stream at the end
+    dlq_window: float  # the DLQ stream's duplicate window, seconds
     seconds: float
 
     def _of(self, kind: str, order: str | None = None) -> list[Row]:
@@ -626,23 +634,29 @@ class Result:
         head = ["deliveries", "measured wait"] + (["configured"] if asked is not None else [])
         return Table(head, rows)
 
-    def queue_ages(self, poison: str, step: float = 0.05) -> list[tuple[float, float]]:
-        """Every `step` s: how long the oldest email not yet handled (the poison aside) had been waiting."""
-        published = {r.order: r.t for r in self._of("published") if r.order != poison}
-        handled: dict[str, float] = {}
+    def finished(self) -> dict[str, float]:
+        """When each email was finished for good: acked, termed, or out of deliveries (run clock)."""
+        done: dict[str, float] = {}
         for r in self.rows:
-            if r.kind in ("attempt", "settle") and r.order in published:
-                handled.setdefault(r.order, r.t)
+            if (r.kind == "settle" and r.detail.get("how") in ("ack", "term")) or r.kind == "exhausted":
+                done.setdefault(r.order, r.t)
+        return done
+
+    def queue_ages(self, step: float = 0.05) -> list[tuple[float, float]]:
+        """Every `step` s, the queue age: how long the oldest unfinished email (waiting, or held by a worker
+        without an ack) had waited since the stream stored it."""
+        stored = {r.order: r.t for r in self._of("published")}
+        done = self.finished()
         end = max((r.t for r in self.rows), default=0.0)
         ages, t = [], 0.0
         while t <= end + 1e-9:
-            waiting = [p for o, p in published.items() if p <= t and handled.get(o, float("inf")) > t]
-            ages.append((round(t, 3), round(t - min(waiting), 3) if waiting else 0.0))
+            open_ = [p for o, p in stored.items() if p <= t and done.get(o, float("inf")) > t]
+            ages.append((round(t, 3), round(t - min(open_), 3) if open_ else 0.0))
             t += step
         return ages
 
-    def max_queue_age(self, poison: str) -> float:
-        return max((age for _, age in self.queue_ages(poison)), default=0.0)
+    def max_queue_age(self) -> float:
+        return max((age for _, age in self.queue_ages()), default=0.0)
 
     def first_behind(self, poison: str) -> float | None:
         """How long the first email behind `poison` waited for a worker (None: no worker took any)."""
@@ -664,7 +678,7 @@ class Result:
         n = self.deliveries(order)
         said = [f"{order}: delivered {n} times"]
         if order in self.exhausted:
-            said.append("then the server stopped (max_deliver)")
+            said.append("then the server stopped (max_deliver) and published one MAX_DELIVERIES advisory")
         said.append(f"the stream still holds it ({self.stored} message(s) in all)")
         said.append(f"the durable shows {self.pending} waiting and {self.ack_pending} unacked")
         said.append(f"the DLQ holds {self.dlq_count(order)} copy(ies) of it")
@@ -713,17 +727,17 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def plot_queue_ages(poison: str, **runs: Result) -> Any:
-    """The age of the oldest email waiting behind `poison`, over time, one line per run."""
+def plot_queue_ages(**runs: Result) -> Any:
+    """The queue age over time (the oldest email not yet acked or termed), one line per run."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 2.8))
     for label, result in runs.items():
-        ages = result.queue_ages(poison)
+        ages = result.queue_ages()
         ax.plot([t for t, _ in ages], [a for _, a in ages], label=label)
     ax.set_xlabel("seconds since the emails were published")
     ax.set_ylabel("queue age (s)")
-    ax.set_title(f"the oldest email waiting behind {poison}")
+    ax.set_title("queue age: the oldest email not yet acked, termed or out of deliveries", fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     plt.close(fig)
@@ -759,32 +773,161 @@ async def consumer_rules(js: Any, delays: Sequence[float]) -> Table:
     return Table([f"max_deliver, backoff of {len(delays)}", "the server", "what it says"], rows)
 
 
-async def advisory_needs_a_pull(js: Any) -> tuple[int, int]:
-    """An email runs out of deliveries while nobody is fetching: advisories stored then, and after one fetch."""
+async def durable_defaults(js: Any) -> dict[str, Any]:
+    """What the server fills in for a durable made with nothing but a name and explicit acks."""
     from nats.js.api import AckPolicy, ConsumerConfig
 
     from msglab.broker import delete_stream
 
-    probe, captured = PROBE_STREAM, ADVISORY_STREAM
-    for name in (probe, captured):
-        await delete_stream(js, name)
-    await js.add_stream(name=probe, subjects=["lesson04.probe"])
-    await js.add_stream(name=captured, subjects=[f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{probe}.>"])
+    await delete_stream(js, PROBE_STREAM)
+    await js.add_stream(name=PROBE_STREAM, subjects=["lesson04.probe"])
     try:
-        await js.add_consumer(
-            probe, ConsumerConfig(durable_name="probe", ack_policy=AckPolicy.EXPLICIT, ack_wait=0.1, max_deliver=2)
+        info = await js.add_consumer(PROBE_STREAM, ConsumerConfig(durable_name="plain", ack_policy=AckPolicy.EXPLICIT))
+    finally:
+        await delete_stream(js, PROBE_STREAM)
+    c = info.config
+    return {
+        "max_deliver": c.max_deliver,
+        "ack_wait": c.ack_wait,
+        "backoff": c.backoff,
+        "max_ack_pending": c.max_ack_pending,
+    }
+
+
+@dataclass(frozen=True)
+class Advisories:
+    """MAX_DELIVERIES advisories seen for one email that ran out of deliveries, by kind of durable."""
+
+    pull_idle: int  # a pull durable, its last ack_wait over for 0.3 s, nobody fetching
+    pull_fetched: int  # the same, after one fetch that got nothing
+    push: int  # a push durable: nobody ever fetches
+
+    def __repr__(self) -> str:
+        return (
+            f"pull durable, nobody fetching: {self.pull_idle}; after one fetch: {self.pull_fetched}; "
+            f"push durable, nobody fetching: {self.push}"
         )
-        await js.publish("lesson04.probe", b"o-1042")
-        sub = await js.pull_subscribe_bind("probe", probe)
+
+
+async def advisories_by_kind(js: Any) -> Advisories:
+    """An email runs out of deliveries (max_deliver 2, ack_wait 0.1 s, never acked) on a pull and a push durable."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from msglab.broker import delete_stream
+
+    await delete_stream(js, PROBE_STREAM)
+    await js.add_stream(name=PROBE_STREAM, subjects=["lesson04.probe.>"])
+    seen: list[str] = []  # the consumer each advisory names
+    pushed = asyncio.Event()
+
+    async def on_advisory(msg: Any) -> None:
+        seen.append(str(json.loads(msg.data).get("consumer")))
+        if seen[-1] == "push":
+            pushed.set()
+
+    nc = js._nc
+    subs = [await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROBE_STREAM}.>", cb=on_advisory)]
+    try:
+
+        def rules(name: str, **more: Any) -> Any:
+            return ConsumerConfig(
+                durable_name=name, filter_subject=f"lesson04.probe.{name}", ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=0.1, max_deliver=2, **more,
+            )  # fmt: skip
+
+        await js.add_consumer(PROBE_STREAM, rules("pull"))
+        box = nc.new_inbox()
+        subs.append(await nc.subscribe(box))  # takes the push deliveries and never acks them
+        await js.add_consumer(PROBE_STREAM, rules("push", deliver_subject=box))
+        await js.publish("lesson04.probe.push", b"o-1042")
+        await js.publish("lesson04.probe.pull", b"o-1042")
+        sub = await js.pull_subscribe_bind("pull", PROBE_STREAM)
         for _ in range(2):
-            await sub.fetch(1, timeout=1)  # deliveries 1 and 2, never acked
-        await asyncio.sleep(0.3)  # the experiment: its last ack_wait (0.1 s) runs out while nobody fetches
-        before = int((await js.stream_info(captured)).state.messages)
+            await sub.fetch(1, timeout=2)  # deliveries 1 and 2, never acked
+        with contextlib.suppress(TimeoutError):  # the push durable's advisory: at once, or late on a loaded machine
+            await asyncio.wait_for(pushed.wait(), 5)
+        await asyncio.sleep(0.4)  # the experiment: the pull durable's last ack_wait (0.1 s) runs out, nobody fetches
+        pull_idle = seen.count("pull")
         with contextlib.suppress(TimeoutError):
             await sub.fetch(1, timeout=0.3)  # one pull request waits; nothing is delivered
-        after = int((await js.stream_info(captured)).state.messages)
         await sub.unsubscribe()
+        return Advisories(pull_idle, seen.count("pull"), seen.count("push"))
     finally:
-        for name in (probe, captured):
-            await delete_stream(js, name)
-    return before, after
+        for s in subs:
+            await s.unsubscribe()
+        await delete_stream(js, PROBE_STREAM)
+
+
+@dataclass(frozen=True)
+class HeldSlot:
+    """What the next fetch returned after a delayed nak, on a durable with max_ack_pending=1."""
+
+    data: str
+    delivery: int
+    seconds: float  # from the nak to that delivery
+    delay: float
+
+    def __repr__(self) -> str:
+        return (
+            f"nak(delay={self.delay:g}) on the first order; the next fetch returned {self.data!r} "
+            f"(delivery {self.delivery}) {self.seconds:.2f} s later"
+        )
+
+
+async def nak_keeps_its_slot(js: Any, delay: float = 1.0) -> HeldSlot:
+    """Two orders on a durable with max_ack_pending=1: nak the first with a delay, then fetch the next."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from msglab.broker import delete_stream
+
+    await delete_stream(js, PROBE_STREAM)
+    await js.add_stream(name=PROBE_STREAM, subjects=["lesson04.probe"])
+    try:
+        config = ConsumerConfig(durable_name="one", ack_policy=AckPolicy.EXPLICIT, ack_wait=10, max_ack_pending=1)
+        await js.add_consumer(PROBE_STREAM, config)
+        for order in ("o-1042", "o-2001"):
+            await js.publish("lesson04.probe", order.encode())
+        sub = await js.pull_subscribe_bind("one", PROBE_STREAM)
+        [first] = await sub.fetch(1, timeout=2)
+        naked = time.monotonic()
+        await first.nak(delay=delay)
+        [after] = await sub.fetch(1, timeout=delay + 5)
+        seconds = time.monotonic() - naked
+        await after.ack_sync()
+        await sub.unsubscribe()
+        return HeldSlot(after.data.decode(), int(after.metadata.num_delivered), seconds, delay)
+    finally:
+        await delete_stream(js, PROBE_STREAM)
+
+
+# --- a computation, not a measurement: more clients than one machine runs --------------------------
+
+
+def return_after_outage(
+    clients: int = 1000, outage: float = 10.0, delays: Sequence[float] = (1, 2, 4, 8, 16), seed: int = 4
+) -> Table:
+    """`clients` requests all fail at second 0, when an outage of `outage` seconds begins; each retries on
+    `delays`. The requests that reach the provider in its busiest 100 ms once it is back, per policy."""
+    import random
+
+    rnd = random.Random(seed)
+    policies: dict[str, Callable[[int], float]] = {
+        "backoff": lambda n: delays[min(n, len(delays) - 1)],
+        "Retry-After: 10 (once)": lambda n: outage if n == 0 else delays[min(n, len(delays) - 1)],
+        "backoff with jitter": lambda n: delays[min(n, len(delays) - 1)] * rnd.uniform(0.5, 1.5),
+        "Retry-After: 10, plus jitter": lambda n: (
+            (outage if n == 0 else delays[min(n, len(delays) - 1)]) * rnd.uniform(1.0, 1.5)
+        ),
+    }
+    rows = []
+    for name, wait in policies.items():
+        arrivals = []
+        for _ in range(clients):
+            t, n = 0.0, 0
+            while t < outage:  # each try inside the outage fails; the first one after it goes through
+                t += wait(n)
+                n += 1
+            arrivals.append(t)
+        buckets = Counter(int(a * 10) for a in arrivals)  # 100 ms buckets
+        rows.append([name, max(buckets.values()), f"{min(arrivals):.1f}-{max(arrivals):.1f} s"])
+    return Table(["policy", "busiest 100 ms after the return", f"the {clients} retries arrived"], rows)
