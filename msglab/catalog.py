@@ -51,6 +51,12 @@ class Lab:
     solution_folder: Path
     lesson: str = ""  # the lesson notebook, relative to the course root
     hints: dict[str, Hint] = field(default_factory=dict, compare=False, hash=False)  # by check id
+    grader: str = ""  # the grader module, when it is not msglab.graders.<topic> (the example lab's)
+
+    @property
+    def checks(self) -> list[str]:
+        """The check ids this lab's hints cover: its own `[hints.*]` tables, then the platform's."""
+        return list(self.hints)
 
     @property
     def topic(self) -> str:
@@ -58,7 +64,7 @@ class Lab:
 
     @property
     def grader_module(self) -> str:
-        return f"msglab.graders.{self.topic}"
+        return self.grader or f"msglab.graders.{self.topic}"
 
     def source(self, solution: bool = False) -> Path:
         """The file to grade: the learner's, or the reference solution's."""
@@ -70,26 +76,51 @@ def all_labs(root: Path | None = None) -> list[Lab]:
     root = root or course_root()
     labs = []
     for folder in sorted((root / "labs").glob("*/lab.toml")):
-        match = NAME_RULE.match(folder.parent.name)
-        if not match:
-            continue
-        try:
-            meta = tomllib.loads(folder.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise LabError(f"{folder} is not valid TOML: {exc}", hint="fix that line of the lab's lab.toml") from exc
-        labs.append(
-            Lab(
-                number=match.group(1),
-                name=folder.parent.name,
-                title=meta["title"],
-                file=meta["file"],
-                folder=folder.parent,
-                solution_folder=root / "solutions" / folder.parent.name,
-                lesson=str(meta.get("lesson", "")),
-                hints=_read_hints(folder, meta.get("hints", {})),
-            )
-        )
+        if NAME_RULE.match(folder.parent.name):
+            labs.append(load_lab(folder.parent, root / "solutions" / folder.parent.name))
     return labs
+
+
+def load_lab(folder: Path, solution_folder: Path | None = None) -> Lab:
+    """The lab in `folder` (NN_name/ with a lab.toml), also one outside labs/: the course's example lab,
+    `examples/00_echo`, which only the test suite grades (never listed, never in the learner's course).
+
+    Its lab.toml may name its `grader` module and its `solution` folder (relative to the lab's folder).
+    """
+    match = NAME_RULE.match(folder.name)
+    if not match:
+        raise LabError(f"{folder} is not named NN_name", hint="a lab's folder is its number and name: 02_x")
+    toml = folder / "lab.toml"
+    try:
+        meta = tomllib.loads(toml.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise LabError(f"{toml} is not valid TOML: {exc}", hint="fix that line of the lab's lab.toml") from exc
+    if "solution" in meta:
+        solution_folder = folder / str(meta["solution"])
+    return Lab(
+        number=match.group(1),
+        name=folder.name,
+        title=meta["title"],
+        file=meta["file"],
+        folder=folder,
+        solution_folder=solution_folder or folder,
+        lesson=str(meta.get("lesson", "")),
+        hints=_merged_hints(_read_hints(toml, meta.get("hints", {}))),
+        grader=str(meta.get("grader", "")),
+    )
+
+
+PLATFORM_HINTS = Path(__file__).resolve().parent / "grading" / "hints.toml"
+
+
+def platform_hints() -> dict[str, Hint]:
+    """The hints of the checks every lab shares (msglab/grading/hints.toml)."""
+    return _read_hints(PLATFORM_HINTS, tomllib.loads(PLATFORM_HINTS.read_text()).get("hints", {}))
+
+
+def _merged_hints(own: dict[str, Hint]) -> dict[str, Hint]:
+    """A lab's hints over the platform's: a lab's table replaces the platform's table of that id."""
+    return {**own, **{k: v for k, v in platform_hints().items() if k not in own}}
 
 
 def _read_hints(toml_path: Path, table: object) -> dict[str, Hint]:

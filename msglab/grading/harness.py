@@ -43,6 +43,7 @@ from msglab.broker.server import EmbeddedServer, _pid_alive
 from msglab.broker.users import SLOTS, RunUsers, admin_password_of, slot_prefix, slot_url
 from msglab.catalog import course_root
 from msglab.errors import GraderError
+from msglab.grading import rules
 from msglab.grading.effects import EffectLog, Event
 from msglab.grading.labkit import Names
 from msglab.grading.nemesis import Crash
@@ -605,49 +606,12 @@ class Run:
     # --- the checks every grader shares ----------------------------------------------------
 
     def faults_check(self) -> Check:
-        """Rule 1: every planned crash fired; a run whose faults did not happen cannot pass."""
-        title = "every planned crash happened (the grader could test what your code does after one)"
-        missing = [(c, f) for c in self.children for f in c.faults if f not in c.fired]
-        if not missing:
-            return Check("faults_fired", title, True)
-        child, crash = missing[0]
-        made = child.calls.get(crash.effect, 0)
-        message = (
-            f"the grader planned to {crash.describe()} in your {child.role} process {child.pid}, "
-            f"but that process made only {made} {crash.effect} call(s)"
-            + (f" and then {child.how_it_ended()}" if child.unplanned else "")
-            + ". Without the crash this run proves nothing about surviving one, so it cannot pass."
-        )
-        return Check(
-            "faults_fired",
-            title,
-            False,
-            message,
-            hint=f"every message your {child.role} takes must go through {crash.effect}, one call per message, "
-            "while the process keeps running",
-        )
+        """Rule 1 (msglab.grading.rules.faults_check) over this run's processes."""
+        return rules.faults_check(self.children)
 
     def deaths_check(self) -> Check:
-        """Rules 2 and 3: learner processes die only when the grader kills them; quote the traceback."""
-        title = "your processes keep running until the grader stops them (no crash of their own)"
-        dead = [c for c in self.children if c.unplanned or c.protocol_error]
-        if not dead:
-            return Check("no_unplanned_deaths", title, True)
-        child = dead[0]
-        message = f"your {child.role} process {child.pid} {child.how_it_ended()}."
-        trace: list[str] = []
-        if child.died and child.died.get("traceback"):
-            trace = [line for line in child.died["traceback"].splitlines() if line.strip()][-12:]
-        hint = "a worker runs until it is stopped: an empty queue or a failed message is no reason to return or raise"
-        if child.protocol_error:
-            hint = (
-                "leave the grader's channels alone: print to stdout/stderr as you like, but do not write to other fds"
-            )
-        elif child.died:
-            hint = (
-                "handle the failure where it happens (or let the message be redelivered); never let it end the worker"
-            )
-        return Check("no_unplanned_deaths", title, False, message, trace=trace, hint=hint)
+        """Rule 3 (msglab.grading.rules.deaths_check) over this run's processes."""
+        return rules.deaths_check(self.children)
 
     def output_tail(self) -> list[str]:
         """What the learner's processes printed, last lines, escapes removed."""

@@ -24,6 +24,10 @@ class Crash:
     effect: str
     call: int
     when: str = "before"
+    # The lab's words for this crash, used by rules.faults_check when it did not fire (rule 1):
+    point: str = ""  # where it kills, e.g. "right after the invoice went out, on the invoice it sent #2"
+    counted: str = ""  # what the call counts, singular, e.g. "invoice" ("made only 1 invoice")
+    hint: str = ""  # what the learner's code must do for this crash to be reachable
 
     def describe(self) -> str:
         return f"SIGKILL {self.when} {self.effect} call #{self.call}"

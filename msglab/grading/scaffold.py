@@ -1,0 +1,161 @@
+"""The run scaffold graders (and lesson demos) share: the lab's topology, held spawns, phases, traces.
+
+    Topology     the stream, its durable and subjects: provisioning, consumer_info, "drained?", a BrokerWatch
+    HeldSpawns   learner processes started ahead of their turn and released one by one (a restart then
+                 costs milliseconds, not a Python start-up); the learner's side waits in `held(env)`
+    Phases       named phases of a workload; each start is logged, so a trace can say which phase a step was in
+    Trace        one trace builder: (timestamp, text) steps, sorted, stamped with the run's clock, squashed
+
+A workload then reads top-down: provision, prepare spawns, one `async with phases("...")` block
+after another, then the checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from msglab.grading.rules import drained, squash
+
+if TYPE_CHECKING:
+    from msglab.grading.harness import Child, Run
+    from msglab.grading.labkit import Names
+    from msglab.grading.nemesis import Crash
+    from msglab.grading.observe import BrokerWatch
+
+HELD = "held"  # the effect a held learner process blocks in until the grader releases it
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A lab's stream and durable: what the platform team provisions before any learner code runs."""
+
+    stream: str  # e.g. "BILLING"
+    wildcard: str  # what the stream stores, e.g. "billing.>"
+    durable: str  # e.g. "invoicer"
+    subject: str  # what the durable delivers, e.g. "billing.invoice"
+    ack_wait: float
+    consumer: dict[str, Any] = field(default_factory=dict)  # more ConsumerConfig fields (max_ack_pending, ...)
+
+    async def provision(self, js: Any, names: Names) -> None:
+        """Create the stream and its durable (names isolated per run)."""
+        from msglab.grading.labkit import provision
+
+        await provision(
+            js, names, stream=self.stream, wildcard=self.wildcard, durable=self.durable, subject=self.subject,
+            ack_wait=self.ack_wait, **self.consumer,
+        )  # fmt: skip
+
+    async def info(self, run: Run) -> Any:
+        """The durable's consumer_info, as the broker reports it now."""
+        return await run.js.consumer_info(run.names.stream(self.stream), run.names.durable(self.durable))
+
+    async def drained(self, run: Run) -> bool:
+        """Nothing undelivered and nothing delivered-but-unacked on the durable."""
+        return drained(await self.info(run))
+
+    async def watch(self, run: Run, kind: type[BrokerWatch] | None = None) -> Any:
+        """A started BrokerWatch (or subclass `kind`) on this durable: the broker's view of acks and pulls."""
+        from msglab.grading.observe import BrokerWatch
+
+        watch = (kind or BrokerWatch)(run.names.stream(self.stream), run.names.durable(self.durable))
+        return await watch.start(run.nc)
+
+    async def publish(self, run: Run, body: bytes, subject: str | None = None) -> int:
+        """Publish as the grader; return the stream sequence the broker confirmed."""
+        ack = await run.js.publish(run.names.subject(subject or self.subject), body)
+        return int(ack.seq)
+
+
+def held(env: Any) -> None:
+    """In the learner's process: block until the grader releases this process (see HeldSpawns)."""
+    env.world.call(HELD)
+
+
+class HeldSpawns:
+    """Learner processes of one role, started ahead of their turn, released in order.
+
+    The role function calls `held(env)` before the learner's code; `release()` answers that call.
+    `faults(n)` gives the n-th process's crash plan (0-based); at most `limit` processes in all.
+    """
+
+    def __init__(self, run: Run, role: str, faults: Callable[[int], list[Crash]], limit: int) -> None:
+        self.run, self.role, self.faults, self.limit = run, role, faults, limit
+        self.released: list[Child] = []
+        self.waiting: list[asyncio.Task[Child]] = []
+        self._gates: dict[int, asyncio.Event] = {}
+        run.on(HELD, self._hold)
+
+    async def _hold(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        await self._gates.setdefault(child.pid, asyncio.Event()).wait()
+
+    def prepare(self, count: int) -> None:
+        """Start `count` more processes (they wait held); never more than `limit` in all."""
+        for _ in range(count):
+            number = len(self.released) + len(self.waiting)
+            if number >= self.limit:
+                return
+            self.waiting.append(asyncio.ensure_future(self.run.spawn(self.role, faults=self.faults(number))))
+
+    async def release(self) -> Child | None:
+        """Release the next process (starting one if none waits); None once `limit` is reached."""
+        if not self.waiting:
+            self.prepare(1)
+        if not self.waiting:
+            return None
+        child = await self.waiting.pop(0)
+        self._gates.setdefault(child.pid, asyncio.Event()).set()
+        self.released.append(child)
+        return child
+
+    async def cancel(self) -> None:
+        """Stop starting processes nobody will release (the run's end kills those already started)."""
+        for task in self.waiting:
+            task.cancel()
+        await asyncio.gather(*self.waiting, return_exceptions=True)
+        self.waiting.clear()
+
+
+class Phases:
+    """Named phases of a workload; `async with phases("crash 1"):` logs its start in the run's effect log."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.current = ""
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, name: str) -> AsyncIterator[None]:
+        self.current = name
+        self.run.log.record("phase", name, None)
+        yield
+
+    def started(self) -> list[tuple[float, str]]:
+        """(timestamp, name) of every phase begun so far."""
+        return [(e.ts, e.name) for e in self.run.log.events("phase")]
+
+    def at(self, ts: float) -> str:
+        """The phase running at that timestamp ('' before the first)."""
+        name = ""
+        for start, phase in self.started():
+            if start <= ts:
+                name = phase
+        return name
+
+
+class Trace:
+    """One trace builder: add (timestamp, text) steps in any order; `lines()` sorts, stamps and squashes them."""
+
+    def __init__(self, run: Run, keep: int = 14) -> None:
+        self.run, self.keep = run, keep
+        self.steps: list[tuple[float, str]] = []
+
+    def add(self, ts: float, text: str) -> Trace:
+        self.steps.append((ts, text))
+        return self
+
+    def lines(self, *tail: str) -> list[str]:
+        ordered = sorted(self.steps, key=lambda s: s[0])
+        return [*squash([f"{self.run.at(ts)} {text}" for ts, text in ordered], self.keep), *tail]
