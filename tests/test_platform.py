@@ -43,6 +43,12 @@ def test_every_lab_has_the_platform_hints_unless_it_words_them_itself(lab: Lab) 
     assert own, f"lab {lab.number} names no check of its own"
 
 
+def test_a_lab_toml_table_replaces_the_platforms_words() -> None:
+    lab02 = next(lab for lab in LABS if lab.number == "02")
+    assert lab02.hints["survives_idle"] != platform_hints()["survives_idle"]
+    assert "invoicing service" in lab02.hints["survives_idle"].code
+
+
 def _watch(*acks: Ack) -> BrokerWatch:
     watch = BrokerWatch("S", "d")
     watch.acks.extend(acks)

@@ -48,15 +48,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from msglab.grading.labkit import LabEnv, provision
+from msglab.grading import rules
+from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import BrokerWatch
+from msglab.grading.rules import an, how_ended, plural
+from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, held
 from msglab.grading.verdict import Check
 
 if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
@@ -68,6 +70,7 @@ SUBJECT = "billing.invoice"
 DURABLE = "invoicer"
 ACK_WAIT = 0.4  # seconds; production uses 30 s or more. A busy machine must never stall a correct
 # worker past it (a batch of ten is invoiced, acked and reported well within it even under load).
+TOPOLOGY = Topology(STREAM, "billing.>", DURABLE, SUBJECT, ACK_WAIT)
 FRESH = 3  # normal requests published for each crash incarnation just before it starts
 FINAL_NORMAL = 2  # normal requests published with the last incarnation
 TRANSIENT = 2  # of those published with the last incarnation: unavailable for a while
@@ -85,6 +88,11 @@ WHERE = {
     "before_work": "before the invoice went out",
     "after_work": "right after the invoice went out",
     "after_settled": "right after env.settled",
+}
+COUNTED = {  # crash kind -> (the call it falls on, what the call counts): rule 1's words for a crash that did not fire
+    "before_work": ("its env.send_invoice call", "env.send_invoice call"),
+    "after_work": ("the invoice it sent", "invoice"),
+    "after_settled": ("its env.settled call", "env.settled call"),
 }
 CRASH_DEADLINE = 3.0  # a crash incarnation that has not crashed by then is stopped
 MAIN_DEADLINE = 6.0  # how long the last incarnation has to finish everything
@@ -163,14 +171,6 @@ def _add_effects(env: Any) -> None:
     env.reject = reject
 
 
-async def _wait_for_go() -> None:
-    """Block until the grader writes a line on stdin: the process is started ahead of its turn."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    await reader.readline()
-
-
 async def role_invoice_worker(env: LabEnv, learner: Any) -> None:
     """One incarnation of the invoice worker: hands in GUARANTEES, waits for its turn, runs until killed."""
     _add_effects(env)
@@ -178,7 +178,7 @@ async def role_invoice_worker(env: LabEnv, learner: Any) -> None:
     if isinstance(guarantees, dict):
         guarantees = {str(k): None if v is None else str(v) for k, v in guarantees.items()}
     env.world.call("guarantees", None, value=guarantees)  # type: ignore[attr-defined]
-    await _wait_for_go()
+    held(env)
     await learner.invoice_worker(env)
 
 
@@ -188,7 +188,7 @@ async def playground(env: Any) -> None:
     Order ids ending in 3 meet a service that is restarting (for 0.6 s after their first try);
     ids ending in 4 belong to a customer whose account is closed.
     """
-    await _setup(env.js, env.names)
+    await TOPOLOGY.provision(env.js, env.names)
     _add_errors(env)
     first_try: dict[str, float] = {}
 
@@ -206,11 +206,6 @@ async def playground(env: Any) -> None:
 
 
 # --- the grader ------------------------------------------------------------------------------
-
-
-async def _setup(js: Any, names: Any) -> None:
-    # The platform team's part: the stream and the durable exist before any worker starts.
-    await provision(js, names, stream=STREAM, wildcard="billing.>", durable=DURABLE, subject=SUBJECT, ack_wait=ACK_WAIT)
 
 
 @dataclass
@@ -260,7 +255,14 @@ class Plan:
             return []
         kind, call = self.crashes[incarnation]
         effect, when = KINDS[kind]
-        return [Crash(effect, call, when)]
+        hint = (
+            "report every invoice that went out to the dashboard with env.settled, one call per request"
+            if kind == "after_settled"
+            else "every request your worker takes must go to env.send_invoice, one call per request, while the"
+            " process keeps running"
+        )
+        what, counted = COUNTED[kind]
+        return [Crash(effect, call, when, point=f"{WHERE[kind]} on {what} #{call}", counted=counted, hint=hint)]
 
 
 @dataclass
@@ -285,10 +287,12 @@ class Billing:
         self.tries: dict[str, int] = {}  # attempts per transient request
         self.guarantees: list[Any] = []
         self.ended: dict[int, float] = {}  # pid -> when the process was seen to end (crash time for a crash)
-        self.workers: list[Child] = []  # released, in order
-        self.waiting: list[asyncio.Task[Child]] = []
+        self.spawns = HeldSpawns(run, "invoice_worker", plan.faults, MAX_WORKERS)
+        self.workers: list[Child] = self.spawns.released  # released, in order
         self.outages = list(plan.outages)
         self.early_confirmed = False  # a report proven to have come before its ack
+        self.drained_at = 0.0  # when the durable was first seen with nothing left (and the reports in)
+        self.clean_since = 0.0
         run.on("send_invoice", self.on_send_invoice)
         run.on("invoice_sent", self.on_quiet)
         run.on("settled", self.on_settled)
@@ -298,14 +302,13 @@ class Billing:
     # --- requests ------------------------------------------------------------------------------
 
     async def publish(self, kinds: list[str]) -> None:
-        subject = self.run.names.subject(SUBJECT)
         for kind in kinds:
             number = len(self.requests) + 1
             key, customer = f"o-{number}", f"c-{1000 + 37 * number}"
             outage = self.outages.pop(0) if kind == "transient" else 0.0
             body = {"order_id": key, "customer": customer, "amount": 40 + 5 * number}
-            ack = await self.run.js.publish(subject, json.dumps(body).encode())
-            request = Request(key, ack.seq, kind, customer, time.time(), outage)
+            seq = await TOPOLOGY.publish(self.run, json.dumps(body).encode())
+            request = Request(key, seq, kind, customer, time.time(), outage)
             self.requests[key] = request
 
     def keys(self, *kinds: str) -> list[str]:
@@ -386,17 +389,19 @@ class Billing:
 
     def held_and_lost(self, key: str, evidence: list[Event]) -> int:
         """Worker processes that took this request (their calls show it) and ended before the broker had its ack."""
-        request = self.requests[key]
-        count = 0
-        for pid, end in self.ended.items():
-            took = any(e.pid == pid and e.ts <= end for e in evidence)
-            if took and self.watch.settled_on_broker(request.seq, before=end) is None:
-                count += 1
-        return count
+        seq = self.requests[key].seq
+
+        def settled(end: float) -> bool:
+            return self.watch.settled_on_broker(seq, before=end) is not None
+
+        return len(rules.held_and_lost(self.ended, evidence, settled))
+
+    def allowance(self, key: str) -> rules.Allowance:
+        """Rule 6 (msglab.grading.rules.Allowance) for one request's invoices."""
+        return rules.allowance(self.ended, self.invoices(key), self.watch, [self.requests[key].seq])
 
     def allowed_invoices(self, key: str) -> int:
-        """Rule 6: once, plus once per worker that sent it and ended before the broker had the ack."""
-        return 1 + self.held_and_lost(key, self.invoices(key))
+        return self.allowance(key).allowed
 
     def unexplained(self) -> dict[str, int]:
         return {k: n for k, n in self.counts().items() if k in self.requests and n > self.allowed_invoices(k)}
@@ -430,42 +435,101 @@ class Billing:
         crash = next((e for e in self.crashes() if e.pid == child.pid), None)
         self.ended[child.pid] = crash.ts if crash else time.time()
 
-    # --- workers ------------------------------------------------------------------------------
+    # --- the phases' waits -----------------------------------------------------------------------
 
-    def prepare(self, count: int) -> None:
-        for _ in range(count):
-            number = len(self.workers) + len(self.waiting)
-            if number >= MAX_WORKERS:
-                return
-            faults = self.plan.faults(number)
-            self.waiting.append(asyncio.ensure_future(self.run.spawn("invoice_worker", faults=faults)))
+    async def stop(self, child: Child) -> None:
+        """Stop a worker whose turn is over; one that raised or returned is let to exit by itself (rule 3 sees it)."""
+        if child.died is not None or child.returned:
+            await child.wait_exit(2.0)
+        if child.alive:
+            await child.kill()
+        self.note_end(child)
 
-    async def release(self) -> Child | None:
-        if not self.waiting:
-            self.prepare(1)
-        if not self.waiting:
-            return None
-        child = await self.waiting.pop(0)
-        assert child.proc.stdin is not None
-        child.proc.stdin.write(b"go\n")
-        await child.proc.stdin.drain()
-        self.workers.append(child)
-        return child
+    async def run_until_drained(self) -> Child | None:
+        """Release workers one after another (one that dies is replaced) until the durable is drained, or
+        the deadline; return the one running at the end (rule 2 is judged on a live worker)."""
+        current = await self.spawns.release()
+        deadline = time.monotonic() + MAIN_DEADLINE
+        while current is not None:
+            until = functools.partial(self._ended_or_finished, current)
+            await self.run.wait_for(until, max(0.0, deadline - time.monotonic()))
+            if not _ended(current) or time.monotonic() >= deadline:
+                break
+            await self.stop(current)
+            current = await self.spawns.release()  # also when all is done
+        return current
 
-    async def cancel(self) -> None:
-        for task in self.waiting:
-            task.cancel()
-        await asyncio.gather(*self.waiting, return_exceptions=True)
-        self.waiting.clear()
+    async def wait_idle_proof(self, current: Child | None) -> tuple[Child | None, float, Any]:
+        """After the backlog drained, wait for the broker to see the worker ask again after an empty fetch
+        (BrokerWatch.refetched_after_idle); return (worker, idle since, that pull or None)."""
+        idle_since = self.watch.acks[-1].ts if self.watch.acks else time.time()
+        refetch = None
+        while self.drained_at and current is not None:
+            child = current
+            since = idle_since
+
+            def proof(child: Child = child, since: float = since) -> bool:
+                return self.watch.refetched_after_idle(since) is not None or _ended(child)
+
+            await self.run.wait_for(proof, IDLE_DEADLINE)
+            refetch = self.watch.refetched_after_idle(idle_since)
+            if not (child.died and child.died.get("error") in SERVICE_ERRORS) or len(self.workers) >= MAX_WORKERS:
+                break
+            # It died of the last request's refusal just as the queue ran dry (rule 3 fails it for
+            # that): rule 2 is about surviving an empty queue, so it is judged on the next worker.
+            await self.stop(child)
+            current = await self.spawns.release()
+            idle_since = time.time()
+        return current, idle_since, refetch
+
+    def late_done(self, child: Child, late: str) -> bool:
+        seq = self.requests[late].seq
+        return _ended(child) or bool(
+            self.invoices(late) and self.watch.settled_on_broker(seq) and not self.reports_due()
+        )
+
+    def reports_due(self) -> bool:
+        """A live worker sent an invoice whose env.settled has not arrived yet: it may be on its way."""
+        alive = {c.pid for c in self.workers if c.alive}
+        last: dict[str, Event] = {}
+        for event in self.run.log.events("effect"):
+            if event.name in ("send_invoice", "settled") and event.detail.get("outcome", "sent") == "sent":
+                last[event.key or ""] = event
+        return any(e.name == "send_invoice" and e.pid in alive for e in last.values())
+
+    async def _ended_or_finished(self, child: Child) -> bool:
+        return _ended(child) or await self.finished()
+
+    async def finished(self) -> bool:
+        """Drained (and the reports in, or their grace over), or stalled; notes when it was first drained."""
+        if rules.drained(await TOPOLOGY.info(self.run)):
+            self.clean_since = self.clean_since or time.monotonic()
+            if not self.reports_due() or time.monotonic() - self.clean_since > REPORT_GRACE:
+                self.drained_at = self.drained_at or time.time()
+                return True
+            return False
+        self.clean_since = self.drained_at = 0.0
+        return self.stalled()
+
+    def stalled(self) -> bool:
+        """Waiting longer only adds evidence of the same fault: all was tried, and something keeps coming back."""
+        counts = self.counts()
+        if not all(counts.get(k) for k in self.keys("normal", "transient")):
+            return False
+        retried = any(
+            len(self.calls("send_invoice", k)) > 2 + self.held_and_lost(k, self.calls("send_invoice", k))
+            for k in self.keys("refused")
+        )
+        return (retried or bool(self.unexplained())) and not self.reports_due()
 
     # --- traces ---------------------------------------------------------------------------------
 
     def trace(self, key: str) -> list[str]:
         """What happened to one request, one line per event, with the worker's pid and the broker's view."""
         request = self.requests.get(key)
-        steps: list[tuple[float, str]] = []
+        steps = Trace(self.run, TRACE_LINES)
         if request is not None:
-            steps.append((request.published, "published"))
+            steps.add(request.published, "published")
         for event in self.run.log.events():
             if event.key != key:
                 continue
@@ -477,176 +541,84 @@ class Billing:
                     "unavailable": f"{who} called env.send_invoice: it raised ServiceUnavailable, nothing sent",
                     "refused": f"{who} called env.send_invoice: it raised AccountClosed, nothing sent",
                 }.get(str(outcome), f"{who} called env.send_invoice")
-                steps.append((event.ts, text))
+                steps.add(event.ts, text)
             elif event.kind == "effect" and event.name == "settled":
                 had = "the broker had its ack" if event.detail.get("acked") else "the broker had NO ack for it yet"
                 had = had if event.detail.get("confirmed") or event.detail.get("acked") else "no ack seen for it yet"
-                steps.append((event.ts, f"{who} called env.settled ({had})"))
+                steps.add(event.ts, f"{who} called env.settled ({had})")
             elif event.kind == "effect" and event.name == "reject":
-                steps.append((event.ts, f"{who} called env.reject"))
+                steps.add(event.ts, f"{who} called env.reject")
             elif event.kind == "crash":
                 kind = next(k for k, spot in KINDS.items() if spot == (event.name, event.detail.get("when")))
-                steps.append((event.ts, f"{who} SIGKILLed by the grader {WHERE[kind]}"))
+                steps.add(event.ts, f"{who} SIGKILLed by the grader {WHERE[kind]}")
         if request is not None:
             for ack in self.watch.of(request.seq):
                 if ack.kind == "progress":
                     continue
-                steps.append((ack.ts, f"broker got {_an(ack.kind)} for delivery #{ack.delivered}"))
-        steps.sort(key=lambda s: s[0])
-        lines = [f"{self.run.at(ts)} {text}" for ts, text in steps]
-        if len(lines) > TRACE_LINES:
-            lines = [*lines[: TRACE_LINES - 4], f"... {len(lines) - TRACE_LINES + 1} more steps ...", *lines[-3:]]
-        return lines
+                steps.add(ack.ts, f"broker got {an(ack.kind)} for delivery #{ack.delivered}")
+        return steps.lines()
 
 
 async def grade(run: Run) -> list[Check]:
-    """Run the workload with its faults and judge the invariants."""
+    """Run the workload with its faults, phase by phase, and judge the invariants."""
     plan = Plan.draw(run.seed)
-    await _setup(run.js, run.names)
-    watch = AckWatch(run.names.stream(STREAM), run.names.durable(DURABLE))
-    await watch.start(run.nc)
-    lab = Billing(run, watch, plan)
-    lab.prepare(len(plan.crashes) + 1)
-
-    async def consumer() -> Any:
-        return await run.js.consumer_info(run.names.stream(STREAM), run.names.durable(DURABLE))
-
-    def ended(child: Child) -> bool:
-        return not child.alive or child.died is not None or child.returned
-
-    async def stop(child: Child) -> None:
-        """Stop a worker whose turn is over; one that raised or returned is let to exit by itself (rule 3 sees it)."""
-        if child.died is not None or child.returned:
-            await child.wait_exit(2.0)
-        if child.alive:
-            await child.kill()
-        lab.note_end(child)
-
-    drained_at: list[float] = []  # when the durable was first seen with nothing left (and reports in)
-    clean_since: list[float] = []
-
-    def reports_due() -> bool:
-        """A live worker sent an invoice whose env.settled has not arrived yet: it may be on its way."""
-        alive = {c.pid for c in lab.workers if c.alive}
-        last: dict[str, Event] = {}
-        for event in run.log.events("effect"):
-            if event.name in ("send_invoice", "settled") and event.detail.get("outcome", "sent") == "sent":
-                last[event.key or ""] = event
-        return any(e.name == "send_invoice" and e.pid in alive for e in last.values())
-
-    async def finished() -> bool:
-        info = await consumer()
-        if info.num_ack_pending == 0 and info.num_pending == 0:
-            clean_since[:] = clean_since or [time.monotonic()]
-            if not reports_due() or time.monotonic() - clean_since[0] > REPORT_GRACE:
-                drained_at[:] = drained_at or [time.time()]
-                return True
-            return False
-        clean_since.clear()
-        drained_at.clear()
-        return stalled()
-
-    def stalled() -> bool:
-        """Waiting longer only adds evidence of the same fault: all was tried, and something keeps coming back."""
-        counts = lab.counts()
-        if not all(counts.get(k) for k in lab.keys("normal", "transient")):
-            return False
-        retried = any(
-            len(lab.calls("send_invoice", k)) > 2 + lab.held_and_lost(k, lab.calls("send_invoice", k))
-            for k in lab.keys("refused")
-        )
-        return (retried or bool(lab.unexplained())) and not reports_due()
-
-    async def ended_or_finished(child: Child) -> bool:
-        return ended(child) or await finished()
-
-    def idle_proof_or_ended(child: Child, since: float) -> bool:
-        return watch.refetched_after_idle(since) is not None or ended(child)
-
+    await TOPOLOGY.provision(run.js, run.names)
+    lab = Billing(run, await TOPOLOGY.watch(run, AckWatch), plan)
+    phase = Phases(run)
+    lab.spawns.prepare(len(plan.crashes) + 1)
     try:
-        # The crash incarnations: each gets fresh requests and runs until its planned crash.
-        for _ in plan.crashes:
-            await lab.publish(["normal"] * FRESH)
-            child = await lab.release()
-            assert child is not None
-            await run.wait_for(functools.partial(ended, child), CRASH_DEADLINE)
-            await stop(child)
-        # The last incarnation, with the requests the service has trouble with. It runs until the
-        # durable holds nothing; if it dies, the next one takes over (rule 3 fails it anyway).
-        await lab.publish(plan.final)
-        current = await lab.release()
-        deadline = time.monotonic() + MAIN_DEADLINE
-        while current is not None:
-            await run.wait_for(functools.partial(ended_or_finished, current), max(0.0, deadline - time.monotonic()))
-            if not ended(current) or time.monotonic() >= deadline:
-                break
-            await stop(current)
-            current = await lab.release()  # also when all is done: rule 2 is judged on a live worker
-        info = await consumer()  # the main phase's end: what is stuck now stays stuck
-        # Rule 2: after the backlog drained, the running worker must survive an empty fetch (seen on
-        # the broker: a pull sent after the last ack, then another once its wait ran out) and take a
-        # request that comes later.
-        idle_since = watch.acks[-1].ts if watch.acks else time.time()
-        refetch = None
-        while drained_at and current is not None:
-            await run.wait_for(functools.partial(idle_proof_or_ended, current, idle_since), IDLE_DEADLINE)
-            refetch = watch.refetched_after_idle(idle_since)
-            if not (current.died and current.died.get("error") in SERVICE_ERRORS) or len(lab.workers) >= MAX_WORKERS:
-                break
-            # It died of the last request's refusal just as the queue ran dry (rule 3 fails it for
-            # that): rule 2 is about surviving an empty queue, so it is judged on the next worker.
-            await stop(current)
-            current = await lab.release()
-            idle_since = time.time()
-        late_at = time.time()
-        await lab.publish(["late"])
-        late = lab.keys("late")[0]
-
-        def late_done(c: Child) -> bool:
-            seq = lab.requests[late].seq
-            return ended(c) or bool(lab.invoices(late) and watch.settled_on_broker(seq) and not reports_due())
-
-        if current is not None:
-            await run.wait_for(functools.partial(late_done, current), LATE_DEADLINE)
+        async with phase("crash incarnations"):  # each gets fresh requests and runs until its planned crash
+            for _ in plan.crashes:
+                await lab.publish(["normal"] * FRESH)
+                child = await lab.spawns.release()
+                assert child is not None
+                await run.wait_for(functools.partial(_ended, child), CRASH_DEADLINE)
+                await lab.stop(child)
+        async with phase("last incarnation"):  # the requests the service has trouble with, until drained
+            await lab.publish(plan.final)
+            current = await lab.run_until_drained()
+            info = await TOPOLOGY.info(run)  # the main phase's end: what is stuck now stays stuck
+        async with phase("idle"):  # rule 2: the running worker survives an empty fetch...
+            current, idle_since, refetch = await lab.wait_idle_proof(current)
+        async with phase("late request"):  # ... and takes a request that comes later
+            late_at = time.time()
+            await lab.publish(["late"])
+            late = lab.keys("late")[0]
+            if current is not None:
+                await run.wait_for(functools.partial(lab.late_done, current, late), LATE_DEADLINE)
     finally:
-        await lab.cancel()
+        await lab.spawns.cancel()
     for child in lab.workers:
         if child.died is not None or child.returned:
             await child.wait_exit(2.0)  # so the platform's rule-3 check sees it ended on its own
         lab.note_end(child)
-
+    proof = rules.IdleProof(late, late_at, idle_since, bool(lab.drained_at), refetch, IDLE_DEADLINE, LATE_DEADLINE)
+    handled_by = [e.pid for e in lab.invoices(late)]
     return [
         _lost_check(lab, info),
         _duplicate_check(lab),
         _settled_check(lab),
         _refused_check(lab),
         _acked_check(lab, info),
-        _late_check(lab, current, late, late_at, bool(drained_at), idle_since, refetch),
+        rules.survives_idle(run.at, proof, current, handled_by, lab.trace(late), IDLE_WORDS),
         _guarantees_check(lab),
-        _faults_check(lab),
     ]
 
 
+IDLE_WORDS = rules.IdleWords(
+    title="the running worker survives an empty queue and invoices a request that arrives later",
+    done="invoiced",
+    hint_no_refetch="after an empty fetch, fetch again: the loop must keep asking for requests",
+    hint_slow="keep fetching from the durable and invoice each request as it comes",
+    failures=SERVICE_ERRORS,
+)
+
+
+def _ended(child: Child) -> bool:
+    return not child.alive or child.died is not None or child.returned
+
+
 # --- the checks ---------------------------------------------------------------------------------
-
-
-def _an(kind: str) -> str:
-    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _how_ended(child: Child) -> str:
-    if child.died:
-        said = str(child.died.get("message"))
-        said = said if len(said) <= 120 else said[:117] + "..."
-        where = f" at {child.died.get('where')}" if child.died.get("where") else ""
-        return f"raised {child.died.get('error')}({said}){where}"
-    if child.returned:
-        return "returned on its own"
-    return child.how_it_ended()
 
 
 def _deaths(lab: Billing) -> list[Child]:
@@ -678,7 +650,7 @@ def _lost_check(lab: Billing, info: Any) -> Check:
             )
             return (
                 0 if crash is not None and crash.ts <= min(tries) else 1,
-                f"{key}: the broker got {_an(settled.kind)} for it at {run.at(settled.ts)}, before any invoice went"
+                f"{key}: the broker got {an(settled.kind)} for it at {run.at(settled.ts)}, before any invoice went"
                 f" out; {what} and the broker never delivered it again: it had been told the request was done."
                 " Acking before the work is at-most-once.",
                 "let the broker hear the ack only once the invoice has gone out: a crash or a failure before it then"
@@ -689,7 +661,7 @@ def _lost_check(lab: Billing, info: Any) -> Check:
             how = (
                 f"your worker reported it to the billing team with env.reject at {run.at(rejected[0].ts)}"
                 if rejected
-                else f"the broker got {_an(settled.kind)} for it at {run.at(settled.ts)}"
+                else f"the broker got {an(settled.kind)} for it at {run.at(settled.ts)}"
             )
             return (
                 2,
@@ -718,7 +690,7 @@ def _lost_check(lab: Billing, info: Any) -> Check:
     message += f"{', '.join(lost)}.\n{evidence}"
     deaths = _deaths(lab)
     if deaths:
-        message += f"\nYour worker also {_how_ended(deaths[0])}; {_plural(len(deaths), 'time')} in all."
+        message += f"\nYour worker also {how_ended(deaths[0])}; {plural(len(deaths), 'time')} in all."
     return Check("no_lost_invoices", title, False, message, trace=[*lab.trace(key), "never invoiced"], hint=hint)
 
 
@@ -733,7 +705,7 @@ def _duplicate_check(lab: Billing) -> Check:
     pids = sorted({e.pid for e in invoices})
     allowed = lab.allowed_invoices(key)
     message = (
-        f"{_plural(len(extra), 'request')} {'was' if len(extra) == 1 else 'were'} invoiced more often than the"
+        f"{plural(len(extra), 'request')} {'was' if len(extra) == 1 else 'were'} invoiced more often than the"
         f" crashes explain: {key} went out"
         f" {extra[key]} times (by worker{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))}), allowed {allowed}"
     )
@@ -844,7 +816,7 @@ def _settled_check(lab: Billing) -> Check:
         )
     key = next((k for k in missing if any(c.key == k for c in lab.crashes())), missing[0])
     message = (
-        f"{_plural(len(missing), 'invoiced request')} never reported to the dashboard: {', '.join(missing)}. The"
+        f"{plural(len(missing), 'invoiced request')} never reported to the dashboard: {', '.join(missing)}. The"
         " billing dashboard counts invoices from env.settled, so it is now behind."
     )
     hint = "report every invoice that went out, once the broker has its ack"
@@ -882,7 +854,7 @@ def _refused_check(lab: Billing) -> Check:
         span = f" over {attempts[-1].ts - attempts[0].ts:.1f} s" if len(attempts) > 1 else ""
         if not reports and settled is None:
             message = (
-                f"the invoicing service refused {key} {_plural(len(attempts), 'time')}{span} with {said}, and your"
+                f"the invoicing service refused {key} {plural(len(attempts), 'time')}{span} with {said}, and your"
                 f" worker let it come back every time; it was never reported, and the broker still holds it."
             )
             hint = (
@@ -891,15 +863,15 @@ def _refused_check(lab: Billing) -> Check:
             )
         elif not reports:
             message = (
-                f"the invoicing service refused {key} with {said}; the broker got {_an(settled.kind)} for it at"
+                f"the invoicing service refused {key} with {said}; the broker got {an(settled.kind)} for it at"
                 f" {run.at(settled.ts)}, but env.reject was never called: nobody in billing will ever hear of it."
             )
             hint = "report a request that can never be invoiced with env.reject(order_id, reason) before you settle it"
         elif len(attempts) > 1 + explained and reports[0].ts < attempts[1].ts:
             message = (
                 f"your worker reported {key} with env.reject at its first refusal, but did not settle that delivery:"
-                f" the broker delivered it again, and it was tried {_plural(len(attempts), 'time')}{span} and reported"
-                f" {_plural(len(reports), 'time')}"
+                f" the broker delivered it again, and it was tried {plural(len(attempts), 'time')}{span} and reported"
+                f" {plural(len(reports), 'time')}"
                 + (f"; it was settled only at {run.at(settled.ts)}." if settled else "; it is still not settled.")
             )
             hint = "once it is reported, settle that delivery (ack it, or term it) so the broker stops delivering it"
@@ -911,7 +883,7 @@ def _refused_check(lab: Billing) -> Check:
             hint = "once it is reported, settle the message (ack it, or term it) so the broker stops delivering it"
         elif len(attempts) > 1 + explained:
             message = (
-                f"the invoicing service refused {key} {_plural(len(attempts), 'time')}{span}, every time with {said};"
+                f"the invoicing service refused {key} {plural(len(attempts), 'time')}{span}, every time with {said};"
                 " your worker tried it again before reporting it"
                 + (f" (a crash explains {explained} of the retries)." if explained else ".")
             )
@@ -949,49 +921,6 @@ def _acked_check(lab: Billing, info: Any) -> Check:
     return Check("all_acked", title, False, message, trace=lab.trace(key) if key else [], hint=hint)
 
 
-def _late_check(
-    lab: Billing, current: Child | None, late: str, late_at: float, drained: bool, since: float, refetch: Any
-) -> Check:
-    title = "the running worker survives an empty queue and invoices a request that arrives later"
-    run = lab.run
-    if current is not None and any(e.pid == current.pid for e in lab.invoices(late)):
-        return Check("late_request_handled", title, True)
-    waited = ""
-    if drained:
-        waited = (
-            f"After the queue ran empty ({run.at(since)}) and your worker asked again after an empty fetch"
-            f" ({run.at(refetch.ts)}), the grader published {late} at {run.at(late_at)}"
-            if refetch
-            else f"After the queue ran empty ({run.at(since)}) the grader waited for your worker to ask for more"
-            f" and published {late} at {run.at(late_at)}"
-        )
-    else:
-        waited = f"The grader published {late} at {run.at(late_at)}"
-    if current is None:
-        message = f"{waited}, but no worker was left running: every one had ended."
-        hint = "a worker runs until it is stopped: an empty fetch means 'ask again', not 'done'"
-    elif lab.ended.get(current.pid) is not None or not current.alive or current.returned or current.died:
-        message = f"{waited}, but your worker process {current.pid} had {_how_ended(current)}."
-        hint = (
-            "handle each failure where it happens; never let it end the worker"
-            if current.died and current.died.get("error") in SERVICE_ERRORS
-            else "a worker runs until it is stopped: an empty fetch means 'ask again', not 'done'"
-        )
-    elif drained and refetch is None:
-        message = (
-            f"{waited}; your worker sent no pull request for {IDLE_DEADLINE:.0f} s after the queue ran empty, and"
-            f" {late} was not invoiced within {LATE_DEADLINE:.0f} s."
-        )
-        hint = "after an empty fetch, fetch again: the loop must keep asking for requests"
-    else:
-        others = sorted({e.pid for e in lab.invoices(late)})
-        message = f"{waited}; worker {current.pid} did not invoice it within {LATE_DEADLINE:.0f} s" + (
-            f" (worker {others[0]} did)." if others else "."
-        )
-        hint = "keep fetching from the durable and invoice each request as it comes"
-    return Check("late_request_handled", title, False, message, trace=lab.trace(late), hint=hint)
-
-
 def _guarantees_check(lab: Billing) -> Check:
     title = "GUARANTEES names the guarantee each worker in workers.py gives"
     given = lab.guarantees[0] if lab.guarantees else None
@@ -1015,33 +944,3 @@ def _guarantees_check(lab: Billing) -> Check:
         hint=f"ask what a crash, or a failed call, at each line of {name} does to the message; the answer is one of "
         f"{AT_MOST_ONCE!r}, {AT_LEAST_ONCE!r}, {EFFECTIVELY_ONCE!r}, {NEITHER!r}",
     )
-
-
-def _faults_check(lab: Billing) -> Check:
-    """Rule 1 in the lab's words (the platform's check would name the grader's internal counting points)."""
-    title = "every planned crash happened (the grader could test what your code does after one)"
-    for number, child in enumerate(lab.workers[: len(lab.plan.crashes)]):
-        kind, call = lab.plan.crashes[number]
-        if child.fired:
-            continue
-        effect, _ = KINDS[kind]
-        made = child.calls.get(effect, 0)
-        what = {
-            "before_work": ("its env.send_invoice call", "env.send_invoice call"),
-            "after_work": ("the invoice it sent", "invoice"),
-            "after_settled": ("its env.settled call", "env.settled call"),
-        }[kind]
-        how = f" and then {_how_ended(child)}" if child.unplanned else ""
-        message = (
-            f"the grader planned to kill worker {child.pid} {WHERE[kind]} on {what[0]} #{call}, but it made only"
-            f" {_plural(made, what[1])}{how}. Without the crash this run proves nothing about surviving one, so it"
-            " cannot pass."
-        )
-        hint = (
-            "report every invoice that went out to the dashboard with env.settled, one call per request"
-            if kind == "after_settled"
-            else "every request your worker takes must go to env.send_invoice, one call per request, while the"
-            " process keeps running"
-        )
-        return Check("faults_fired", title, False, message, hint=hint)
-    return Check("faults_fired", title, True)

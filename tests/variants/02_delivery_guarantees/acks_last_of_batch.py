@@ -3,6 +3,7 @@ covered everything before it. JetStream's ack is per message: the others are nev
 back after ack_wait and are invoiced again, though no crash explains it.
 
 Expect: fail duplicates_only_after_crash
+Says: ack of their own
 """
 
 import json

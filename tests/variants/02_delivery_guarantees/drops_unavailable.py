@@ -2,6 +2,8 @@
 does not clog the queue". Its invoice is never sent.
 
 Expect: fail no_lost_invoices
+Says: not now
+Says: raised ServiceUnavailable
 """
 
 import json

@@ -2,6 +2,7 @@
 request does come back, but every such failure kills the worker process.
 
 Expect: fail no_unplanned_deaths
+Says: raised ServiceUnavailable
 """
 
 import json

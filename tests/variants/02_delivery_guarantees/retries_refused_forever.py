@@ -2,6 +2,10 @@
 come back; the one whose customer closed their account comes back forever and is never reported.
 
 Expect: fail refused_requests_reported, all_acked
+Says: AccountClosed
+Says: never reported
+Says: env.reject
+Says: can never be invoiced
 """
 
 import json

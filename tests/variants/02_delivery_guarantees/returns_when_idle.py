@@ -1,7 +1,9 @@
 """Wrong variant: returns when a fetch comes back empty ("the queue is done"); a request that
 arrives later finds no worker.
 
-Expect: fail late_request_handled, no_unplanned_deaths
+Expect: fail survives_idle, no_unplanned_deaths
+Says: returned on its own
+Says: ask again
 """
 
 import json

@@ -2,6 +2,8 @@
 report is a kill before the ack, and the dashboard has counted a request that comes back.
 
 Expect: fail settled_after_ack
+Says: not before you ask it to
+Says: SIGKILLed by the grader right after env.settled
 """
 
 import json
