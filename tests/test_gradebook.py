@@ -60,8 +60,9 @@ def test_points_default_to_one_per_hinted_check_and_the_points_table_overrides(
     write_lab(tmp_path, '[hints.a]\nconcept = "x"\n[hints.b]\ncode = "y"\n[hints.file_imports]\nconcept = "z"\n'
                         "[points]\nb = 4\nc = 2.5\n[grading]\nstarter_points = 1\n")  # fmt: skip
     points = lab_points(find_lab("01"))
-    assert points.points == {"a": 1.0, "b": 4.0, "c": 2.5}  # file_imports is no check of the lab
-    assert points.maximum == 7.5 and points.starter_points == 1.0
+    # file_imports is no check of the lab; faults_fired and no_unplanned_deaths are on every verdict (rules 1, 3)
+    assert points.points == {"a": 1.0, "b": 4.0, "c": 2.5, "faults_fired": 1.0, "no_unplanned_deaths": 1.0}
+    assert points.maximum == 9.5 and points.starter_points == 1.0
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_points_default_to_one_per_hinted_check_and_the_points_table_overrides(
         ("[points]\na = -1\n", "points.a must be a number"),
         ('[points]\na = "two"\n', "points.a must be a number"),
         ("[points]\nfile_imports = 1\n", "file_imports is not a check of the lab"),
-        ("[points]\na = 1\n[grading]\nstarter_points = 2\n", "more than the lab's maximum"),
+        ("[points]\na = 1\n[grading]\nstarter_points = 4\n", "more than the lab's maximum"),
     ],
 )
 def test_a_broken_points_table_is_named_with_its_file(

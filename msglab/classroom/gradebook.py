@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from msglab.catalog import Lab, all_labs, course_root, find_lab
-from msglab.classroom.points import LabPoints, Score, lab_points, number, score
+from msglab.classroom.points import LabPoints, Score, lab_points, number, same_code, score
 from msglab.classroom.submissions import Found, read_submissions
 from msglab.errors import GraderError, MsglabError
 from msglab.grading.verdict import Verdict
@@ -198,7 +198,7 @@ def grade_class(
                     row.result = Score(0.0, points[lab.name].maximum, False, [], "missing", file.problem)
                     continue
                 source = stage(file, stage_root / safe_name(learner) / lab.name)
-                pending.append((row, source, file.content == starters.get(lab.name)))
+                pending.append((row, source, same_code(file.content, starters.get(lab.name, b""))))
         out.mkdir(parents=True, exist_ok=True)
         startup = _run(pending, points, jobs, progress, stream, out / "workers.log")
     finally:
@@ -401,7 +401,10 @@ def feedback_text(learner: str, rows: list[Row]) -> str:
                       "  your instructor will grade it again", ""]  # fmt: skip
             continue
         if result.status == "starter":
-            lines.append(f"  {row.lab.file} is the starter as handed out: nothing was changed yet")
+            lines.append(f"  {row.lab.file} runs the starter's code as handed out (comments and layout aside): "
+                         "nothing was changed yet")
+        elif result.note:
+            lines.append(f"  {result.note}")
         assert row.verdict is not None
         lines.append(row.verdict.to_text())
         if row.verdict.passed:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from msglab.catalog import Lab, all_labs, course_root, find_lab
-from msglab.classroom.points import DID_NOT_RUN, LabPoints, Score, lab_points, number, score
+from msglab.classroom.points import DID_NOT_RUN, LabPoints, Score, lab_points, number, same_code, score
 from msglab.classroom.submissions import Found, find_lab_file, walk
 from msglab.errors import MsglabError
 from msglab.grading.verdict import Verdict
@@ -188,7 +188,7 @@ def grade_submission(submission: Path, labs: list[Lab], learner: str, salt: str 
                 records.append(record)
                 continue
             source = stage(found, Path(tmp) / lab.name)
-            starter = found.content == (lab.folder / lab.file).read_bytes()
+            starter = same_code(found.content, (lab.folder / lab.file).read_bytes())
             try:
                 verdict = grade(lab.name, source=source, seed=seed)
             except MsglabError as exc:
@@ -261,9 +261,14 @@ def _lab_tests(lab: Lab, points: LabPoints, result: Score, verdict: Verdict | No
             text = "not run: " + (result.note or "the lab's checks did not run")
             tests.append(test(check_id.replace("_", " "), 0.0, worth, False, text, check_id))
             continue
-        earned = worth if check.passed and result.status == "graded" else 0.0
-        tests.append(test(check.title, earned, worth, check.passed, "" if check.passed else _check_text(check),
-                          check_id))  # fmt: skip
+        if result.status != "graded":
+            earned = 0.0
+        elif result.earned is None:
+            earned = worth if check.passed else 0.0
+        else:
+            earned = result.earned.get(check_id, 0.0)
+        text = _check_text(check) if not check.passed else result.note if earned < worth else ""
+        tests.append(test(check.title, earned, worth, check.passed, text, check_id))
     if verdict is not None and verdict.output and not verdict.passed:
         text = "\n".join(verdict.output[-8:])
         tests.append(test("what your code printed (last lines)", 0.0, 0.0, True, text))

@@ -1,0 +1,119 @@
+"""Doing nothing earns nothing: the `requires` gate, core weights, and the starter recognised by its code.
+
+Synthetic labs in tmp folders (lab.toml written here), verdicts built by hand: the mechanism, not a
+lab's grader, is under test. The real labs' scores under it are measured in the classroom report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from msglab.catalog import find_lab
+from msglab.classroom.gradescope import results_json
+from msglab.classroom.points import CORE_POINTS, lab_points, same_code, score
+from msglab.errors import LabError
+from msglab.grading.verdict import Check, Verdict
+
+STARTER = b'''"""Lab 99: charge each payment once."""
+
+import json
+
+
+async def handle(env, msg):
+    """Charge the payment."""
+    payment = json.loads(msg.data)
+    # TODO: charge it once, whatever the broker does
+    await env.charge(payment)
+'''
+
+
+def lab(root: Path, monkeypatch: pytest.MonkeyPatch, grading: str = "", points: str = "") -> None:
+    monkeypatch.setenv("MSGLAB_ROOT", str(root))
+    folder = root / "labs" / "99_demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    hints = "".join(f'[hints.{check}]\nconcept = "x"\n' for check in ("charged", "charged_once", "faults_fired"))
+    (folder / "lab.toml").write_text(f'title = "demo"\nfile = "demo.py"\n{hints}{points}[grading]\n{grading}')
+    (folder / "demo.py").write_bytes(STARTER)
+
+
+def verdict(**passed: bool) -> Verdict:
+    checks = [Check(name, name.replace("_", " "), ok, "" if ok else "seen") for name, ok in passed.items()]
+    return Verdict(lab="99_demo", graded="demo.py", seed=1, checks=checks)
+
+
+def test_while_the_work_did_not_happen_the_vacuous_checks_earn_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lab(tmp_path, monkeypatch, grading='requires = ["charged"]\n')
+    points = lab_points(find_lab("99"))
+    assert points.requires == ("charged",) and points.maximum == 4.0  # and no_unplanned_deaths, on every verdict
+    # Nothing charged, so nothing charged twice: charged_once and faults_fired hold vacuously.
+    idle = score(verdict(charged=False, charged_once=True, faults_fired=True), points)
+    assert (idle.score, idle.status, idle.earned) == (0.0, "graded", {})
+    assert "work did not happen (charged failed)" in idle.note
+    # The work happened: every passed check earns, the failed one does not.
+    working = score(verdict(charged=True, charged_once=False, faults_fired=True), points)
+    assert (working.score, working.earned, working.note) == (2.0, {"charged": 1.0, "faults_fired": 1.0}, "")
+    # A required check the verdict does not report at all counts as not passed.
+    assert score(verdict(charged_once=True, faults_fired=True), points).score == 0.0
+
+
+def test_without_a_gate_every_passed_check_earns_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab(tmp_path, monkeypatch)
+    points = lab_points(find_lab("99"))
+    assert points.requires == () and points.core == ()
+    assert score(verdict(charged=False, charged_once=True, faults_fired=True), points).score == 2.0
+
+
+def test_core_invariants_weigh_more_than_the_platforms_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab(tmp_path, monkeypatch, grading='requires = ["charged"]\ncore = ["charged_once", "charged"]\n')
+    points = lab_points(find_lab("99"))
+    assert points.points == {"charged": CORE_POINTS, "charged_once": CORE_POINTS, "faults_fired": 1.0,
+                             "no_unplanned_deaths": 1.0}  # fmt: skip
+    assert points.points["charged_once"] > points.points["faults_fired"]
+    lab(tmp_path, monkeypatch, grading='core = ["charged_once"]\n', points="[points]\ncharged_once = 5\n")
+    assert lab_points(find_lab("99")).points["charged_once"] == 5.0  # [points] has the last word
+
+
+@pytest.mark.parametrize(
+    "grading, said",
+    [
+        ('requires = ["charged_twice"]\n', "grading.requires names charged_twice, not a check of the lab"),
+        ('requires = "charged"\n', "grading.requires must be a list of check ids"),
+        ("core = [1]\n", "grading.core must be a list of check ids"),
+    ],
+)
+def test_a_broken_gate_is_named_with_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grading: str, said: str
+) -> None:
+    lab(tmp_path, monkeypatch, grading=grading)
+    with pytest.raises(LabError, match=said) as raised:
+        lab_points(find_lab("99"))
+    assert "99_demo/lab.toml" in str(raised.value)
+
+
+def test_the_starter_is_recognised_by_its_code_not_its_bytes() -> None:
+    commented = STARTER + b"# done, I think\n"
+    reworded = STARTER.replace(b'"""Charge the payment."""', b'"""Charges it (finished!)."""')
+    reflowed = STARTER.replace(b"    await env.charge(payment)\n", b"    await env.charge(\n        payment\n    )\n")
+    for same in (STARTER, commented, reworded, reflowed, STARTER.replace(b"# TODO: charge", b"# DONE: charge")):
+        assert same_code(same, STARTER), same
+    changed = STARTER.replace(b"await env.charge(payment)", b"await env.charge(payment, idempotency_key=payment['id'])")
+    for other in (changed, STARTER + b"print('hi')\n", b"def broken(:\n", b"\xff\xfe"):
+        assert not same_code(other, STARTER), other
+
+
+def test_gradescope_shows_a_vacuous_pass_earning_nothing_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lab(tmp_path, monkeypatch, grading='requires = ["charged"]\n')
+    demo = find_lab("99")
+    points = lab_points(demo)
+    seen = verdict(charged=False, charged_once=True, faults_fired=True)
+    record = {"lab": demo, "points": points, "seed": 7, "verdict": seen, "result": score(seen, points)}
+    results = results_json([record])
+    assert results["score"] == 0.0 == sum(t["score"] for t in results["tests"])
+    vacuous = next(t for t in results["tests"] if "charged_once" in t["tags"])
+    assert vacuous["status"] == "passed" and vacuous["score"] == 0.0 and "work did not happen" in vacuous["output"]
