@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,9 +124,11 @@ async def _worker_main(config: dict[str, Any]) -> None:
                 for msg in msgs:
                     held = time.monotonic()
                     event = Event.from_bytes(msg.data)
-                    if hold == [event.key, event.seq]:  # held unacked until the lesson kills this process
-                        print("holding", flush=True)
-                        await asyncio.Event().wait()
+                    if hold == [event.key, event.seq]:  # held unacked until the lesson kills this process,
+                        print("holding", flush=True)  # telling the broker it is still on it meanwhile
+                        while True:
+                            await msg.in_progress()
+                            await asyncio.sleep(0.1)
                     await asyncio.sleep(event.work)
                     await apply(nc, config["ledger"], event, config["name"], held=time.monotonic() - held)
                     await msg.ack_sync()
@@ -231,6 +233,13 @@ class Shop:
         for e in events:
             await self.js.publish(f"lesson06.orders.{e.key}", e.to_bytes())
 
+    async def _until(self, condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+        give_up = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            await asyncio.sleep(0.01)
+
     async def until_applied(self, count: int, timeout: float = 60.0) -> None:
         """Wait until the ledger holds `count` distinct events (a loaded machine is slow, not wrong)."""
         give_up = time.monotonic() + timeout
@@ -257,7 +266,9 @@ class Shop:
     async def shared(self, events: Sequence[Event], workers: int = 2, max_ack_pending: int = 1000,
                      kill: bool = False) -> Run:  # fmt: skip
         """`workers` worker processes share one durable on every partition. With `kill`, the first worker
-        takes the first event and is SIGKILLed holding it; the broker redelivers it after ack_wait."""
+        takes the first event and holds it (telling the broker it is still on it) until the others have
+        applied that order's later events, or at once if the durable hands them nothing meanwhile
+        (max_ack_pending=1); then it is SIGKILLed, and the broker redelivers the event after ack_wait."""
         await self.reset()
         ack_wait = KILLED_ACK_WAIT if kill else ACK_WAIT
         await self.durable("all", "lesson06.part.>", max_ack_pending=max_ack_pending, ack_wait=ack_wait)
@@ -271,6 +282,10 @@ class Shop:
         await victim.until_holding()
         for w in self.workers[1:workers]:
             await w.bind("all")
+        first = events[0]
+        later = {(e.key, e.seq) for e in events if e.key == first.key and e.seq > first.seq}
+        if max_ack_pending > 1:
+            await self._until(lambda: later <= {(a.key, a.seq) for a in self.ledger.log}, "the order's later events")
         victim.kill()  # a real SIGKILL, the first event unacked in its hands
         await victim.close()
         await self.until_applied(len(events))
@@ -279,7 +294,6 @@ class Shop:
             await w.bind(None)
         self.workers[0] = await Worker.start(victim.name)  # the pool is whole again for the next run
         run = Run(self.ledger.report(), rate=len(events) / seconds, seconds=seconds)
-        first = events[0]
         applied = [(a.key, a.seq) for a in self.ledger.log]
         run.extra["killed holding"] = f"{first.key} {first.kind}"
         run.extra[f"{first.key}'s events applied in the order"] = [seq for key, seq in applied if key == first.key]
