@@ -37,6 +37,26 @@ def test_the_same_import_drains_at_two_speeds(no_nats_url: None) -> None:
     quick, slow = same.series
     assert quick.depth[0] == slow.depth[0] == 200
     assert quick.depth[-1] == 0 and slow.depth[-1] > 190
+    # Sampled until the slow queue's age is past the quick one's highest, however slow the machine.
+    assert 0 < same.marks["workers start"] < quick.t[-1] and max(quick.age) < slow.age[-1]
+
+
+def test_an_admission_check_refuses_and_names_the_last_order_it_accepted(no_nats_url: None) -> None:
+    admitted = run(lambda shop: shop.overload(rate=150, seconds=1.5, budget=0.3))
+    assert admitted.refused > 0 and admitted.published > 0
+    assert admitted.last_accepted_wait is not None and admitted.last_accepted_wait > 0
+    assert admitted.arrival_rate > admitted.drain_rate > 0 and admitted.k > 1
+
+
+def test_a_bounded_stream_deletes_old_orders_unless_told_to_refuse_new_ones(no_nats_url: None) -> None:
+    async def experiment(shop: bp.Shop) -> Any:
+        return await bp.discard_policies(shop.js, limit=3, orders=5, max_age=0.2)
+
+    table = run(experiment)
+    old, new, aged = table.rows
+    assert old[1:] == [5, "0", "o-3, o-4, o-5"]  # every publish confirmed; the two oldest gone unread
+    assert new[1:] == [3, f"2 ({bp.STREAM_FULL})", "o-1, o-2, o-3"]
+    assert aged[1] == 5 and aged[3].startswith("none")
 
 
 def test_one_stuck_order_keeps_the_queue_shallow_and_old_until_its_worker_is_killed(no_nats_url: None) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 STREAM = "LESSON05_ORDERS"  # the shop's orders: lesson05.orders.placed, lesson05.import.*, lesson05.pin
 INTAKE = "LESSON05_INTAKE"  # the bounded intake of section 3 (work-queue retention, discard-new)
+BOUNDED = "LESSON05_BOUNDED"  # discard_policies' streams, BOUNDED_0 ... BOUNDED_2, each removed after use
 STREAMS = (STREAM, INTAKE)
 SUBJECT = "lesson05.orders.placed"
 DURABLE = "fulfil"
@@ -287,6 +288,14 @@ class Run:
     errors: int = 0
     seconds: float = 0.0
     marks: dict[str, float] = field(default_factory=dict)  # events (a SIGKILL, ...) at seconds into the run
+    arrival_rate: float = 0.0  # orders a second the producer reached (accepted and refused)
+    drain_rate: float = 0.0  # orders a second the workers finished (acked) during the run
+    last_accepted_wait: float | None = None  # the last order accepted before the first refusal: stored to acked
+
+    @property
+    def k(self) -> float:
+        """How many times as fast orders arrived as they were finished."""
+        return self.arrival_rate / self.drain_rate if self.drain_rate else float("inf")
 
     @property
     def main(self) -> Series:
@@ -399,12 +408,13 @@ class Shop:
         title = f"{rate:g} orders/s" + (f", refused while the age is over {budget:g} s" if budget else ", all accepted")
         chart = LiveChart(title, [series], budget)
         chart.show()
-        t0 = time.monotonic()
-
+        t0, done0 = await self._processed()
         age, measured = 0.0, -1.0
+        last_seq = 0  # the stream sequence of the last order accepted
+        watch: asyncio.Future[float | None] | None = None  # its wait, once the first refusal names it
 
         async def produce() -> None:
-            nonlocal age, measured
+            nonlocal age, measured, last_seq, watch
             n = 0
             while (now := time.monotonic() - t0) < seconds:
                 due = n / rate
@@ -417,9 +427,11 @@ class Shop:
                     age, measured = (await self.measure())[1], now
                 if budget is not None and age > budget:
                     run.refused += 1  # "busy, try later": the customer hears it now
+                    if watch is None and last_seq:
+                        watch = asyncio.ensure_future(self._wait_of(last_seq))
                     continue
                 try:
-                    await self.js.publish(SUBJECT, self.order())
+                    last_seq = (await self.js.publish(SUBJECT, self.order())).seq
                     run.published += 1
                 except Exception:
                     run.errors += 1
@@ -429,17 +441,34 @@ class Shop:
             await self._sample([(series, DURABLE, SUBJECT)], t0, chart)
             await asyncio.sleep(every)
         await producer
+        t1, done1 = await self._processed()
         await self._sample([(series, DURABLE, SUBJECT)], t0, chart)
         chart.draw(force=True)
         run.seconds = time.monotonic() - t0
+        run.arrival_rate = (run.published + run.refused + run.errors) / (t1 - t0)
+        run.drain_rate = (done1 - done0) / (t1 - t0)
+        if watch is not None:
+            run.last_accepted_wait = await watch
         return run
+
+    async def _wait_of(self, seq: int, give_up: float = 30.0) -> float | None:
+        """Seconds from when the stream stored order `seq` to when the durable saw it acked (None: not in time)."""
+        stored = (await self.js.get_msg(STREAM, seq)).time.timestamp()
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline:
+            if (await self.js.consumer_info(STREAM, DURABLE)).ack_floor.stream_seq >= seq:
+                return time.time() - stored
+            await asyncio.sleep(0.01)
+        return None
 
     # -- section 2: the same depth, two speeds; one stuck order; a pinned ack floor
 
     async def same_depth(self, orders: int, seconds: float, slow_work: float = 0.5) -> Run:
-        """Two queues get the same import of `orders` at once: eight quick workers drain one, a single
-        worker taking `slow_work` s an order the other. Sampled for `seconds`, and on until the quick
-        one is empty (at most 30 s more: a loaded machine is slow, not wrong)."""
+        """Two queues get the same import of `orders`: eight quick workers drain one, a single worker taking
+        `slow_work` s an order the other. The clock starts before the imports, so no order's age runs ahead
+        of it; sampled for `seconds` after the workers start, and on until the quick queue is empty and for
+        as long again as it took (at most 30 s more: a loaded machine is slow, not wrong), so the slow
+        queue's age is past the quick one's highest however slow the machine. `marks["workers start"]`."""
         fast, slow = Series("eight quick workers"), Series(f"one worker, {slow_work:g} s an order")
         for name in ("fast", "slow"):
             await self.durable(name, f"lesson05.import.{name}", ack_wait=30)
@@ -448,20 +477,28 @@ class Shop:
             await Workers.start("slow", concurrency=0, work=slow_work),
         ]
         self.others += pools
+        t0 = time.monotonic()
         for name in ("fast", "slow"):
             await self._publish_many(f"lesson05.import.{name}", orders, name)
         chart = LiveChart(f"the same import of {orders:,} orders, two speeds", [fast, slow])
         chart.show()
         watched = [(fast, "fast", "lesson05.import.fast"), (slow, "slow", "lesson05.import.slow")]
-        t0 = time.monotonic()
         await self._sample(watched, t0, chart)
         await pools[0].set(concurrency=8)
         await pools[1].set(concurrency=1)
-        while time.monotonic() - t0 < seconds or (fast.depth[-1] and time.monotonic() - t0 < seconds + 30):
+        started = time.monotonic() - t0
+        emptied: float | None = None
+        while True:
             await asyncio.sleep(0.1)
             await self._sample(watched, t0, chart)
+            now = fast.t[-1]
+            if emptied is None and fast.depth[-1] == 0:
+                emptied = now
+            if (emptied is not None and now - started >= max(seconds, emptied)) or now - started > seconds + 30:
+                break
+        chart.marks = {"workers start": started}
         chart.draw(force=True)
-        run = Run([fast, slow], published=2 * orders, seconds=time.monotonic() - t0)
+        run = Run([fast, slow], published=2 * orders, seconds=time.monotonic() - t0, marks={"workers start": started})
         for pool in pools:
             await pool.close()
         return run
@@ -630,6 +667,50 @@ async def bounded_intake(js: Any, limit: int) -> None:
         name=INTAKE, subjects=["lesson05intake.>"], retention=RetentionPolicy.WORK_QUEUE, max_msgs=limit,
         discard=DiscardPolicy.NEW,
     )  # fmt: skip
+
+
+async def discard_policies(js: Any, limit: int = 3, orders: int = 5, max_age: float = 0.2) -> Any:
+    """`orders` published to three streams of their own: at most `limit` messages with the default discard
+    policy (old) and with discard new, and one with `max_age`, read once the age has passed. Per stream:
+    publishes confirmed and refused (err_code), orders kept."""
+    from nats.js.api import DiscardPolicy
+    from nats.js.errors import APIError
+
+    from msglab.broker import delete_stream
+    from msglab.notebook.table import Table
+
+    setups: list[tuple[str, dict[str, Any]]] = [
+        (f"max_msgs {limit}, discard old (the default)", {"max_msgs": limit}),
+        (f"max_msgs {limit}, discard new", {"max_msgs": limit, "discard": DiscardPolicy.NEW}),
+        (f"max_age {max_age:g} s", {"max_age": max_age}),
+    ]
+    rows = []
+    for i, (label, limits) in enumerate(setups):
+        name, subject = f"{BOUNDED}_{i}", f"lesson05bounded.{i}"
+        await delete_stream(js, name)
+        await js.add_stream(name=name, subjects=[subject], **limits)
+        try:
+            confirmed, refused = 0, []
+            for n in range(1, orders + 1):
+                try:
+                    await js.publish(subject, f"o-{n}".encode())
+                    confirmed += 1
+                except APIError as exc:
+                    refused.append(exc.err_code)
+            published, after = time.monotonic(), ""
+            if "max_age" in limits:  # unread, the orders grow older than max_age: wait until the stream drops them
+                for _ in range(int((max_age + 10) / 0.01)):
+                    if not (await js.stream_info(name)).state.messages:
+                        break
+                    await asyncio.sleep(0.01)
+                after = f" ({time.monotonic() - published:.2f} s later)"
+            state = (await js.stream_info(name)).state
+            kept = [(await js.get_msg(name, seq)).data.decode() for seq in range(state.first_seq, state.last_seq + 1)]
+            shown = (", ".join(kept) if state.messages else "none") + after
+            rows.append([label, confirmed, f"{len(refused)} ({refused[0]})" if refused else "0", shown])
+        finally:
+            await delete_stream(js, name)
+    return Table([f"{orders} orders published to", "confirmed", "refused (err_code)", "kept"], rows)
 
 
 def status_chart(runs: Sequence[tuple[str, Series]], budget: float, window: float) -> Any:

@@ -42,6 +42,7 @@ from typing import Any
 
 from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import Crash
+from msglab.notebook.table import Table
 from msglab.world import email_provider as ep
 from msglab.world.email_provider import EmailApiError  # the class a worker's send_email raises
 
@@ -524,27 +525,6 @@ class DeadLetter:
             int(raw.seq), headers.get("Order-Id", "?"), headers.get("Dlq-Reason", ""),
             headers.get("Dlq-Deliveries", ""), headers.get("Dlq-Stream-Seq", ""), headers,
         )  # fmt: skip
-
-
-@dataclass
-class Table:
-    """Rows shown as text or HTML."""
-
-    head: list[str]
-    rows: list[list[Any]]
-
-    def __repr__(self) -> str:
-        widths = [max(len(str(x)) for x in [h, *(r[i] for r in self.rows)]) for i, h in enumerate(self.head)]
-        lines = ["  ".join(str(h).ljust(w) for h, w in zip(self.head, widths, strict=True))]
-        lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)) for r in self.rows]
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        import html
-
-        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in self.head)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in r) + "</tr>" for r in self.rows)
-        return f"<table><tr>{head}</tr>{body}</table>"
 
 
 @dataclass
