@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from msglab.catalog import find_lab
 from msglab.classroom.gradescope import results_json
 from msglab.classroom.points import CORE_POINTS, lab_points, same_code, score
@@ -117,3 +118,32 @@ def test_gradescope_shows_a_vacuous_pass_earning_nothing_and_why(
     assert results["score"] == 0.0 == sum(t["score"] for t in results["tests"])
     vacuous = next(t for t in results["tests"] if "charged_once" in t["tags"])
     assert vacuous["status"] == "passed" and vacuous["score"] == 0.0 and "work did not happen" in vacuous["output"]
+
+
+def test_a_commented_starter_and_a_handler_that_blocks_forever_score_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_nats_url: None
+) -> None:
+    """On the real lab 03 grader, with the gate the labs declare: both used to score (5 and 4 of 8)."""
+    from msglab.classroom import sample
+    from msglab.classroom.gradebook import grade_class
+
+    course = sample.copy_course(tmp_path / "course", ["03_idempotency"], ROOT)
+    with open(course / "labs" / "03_idempotency" / "lab.toml", "a", encoding="utf-8") as toml:
+        toml.write('\n[grading]\nrequires = ["faults_fired"]\n')
+    monkeypatch.setenv("MSGLAB_ROOT", str(course))
+    payments = find_lab("03")
+    starter = payments.source().read_text()
+    handler = "async def handle_payment(env, msg) -> None:\n"
+    blocked = starter.replace(handler, handler + "    import asyncio\n\n    await asyncio.Event().wait()\n", 1)
+    assert blocked != starter
+    for learner, text in (("commented", starter + "# finished, I think\n"), ("blocked", blocked)):
+        (tmp_path / "class" / learner).mkdir(parents=True)
+        (tmp_path / "class" / learner / payments.file).write_text(text)
+    result = grade_class(tmp_path / "class", out=tmp_path / "out", jobs=2, progress=False)
+    rows = {row.learner: row for row in result.rows}
+    assert rows["commented"].result is not None and rows["blocked"].result is not None
+    assert (rows["commented"].result.status, rows["commented"].result.score) == ("starter", 0.0)
+    blocked_result = rows["blocked"].result
+    assert (blocked_result.status, blocked_result.score) == ("graded", 0.0), blocked_result
+    assert "faults_fired" in blocked_result.failed and "work did not happen" in blocked_result.note
+    assert "work did not happen" in (tmp_path / "out" / "feedback" / "blocked.txt").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,16 +27,25 @@ from msglab.classroom.edition import (
     is_learner_edition,
     require_solution,
     solution_references,
+    strip_code_hints,
 )
 from msglab.errors import LabError
 
 
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The learner edition of this checkout, written once (with solution references allowed, to test the rest)."""
+    """The learner edition of this checkout's last commit, written once (solution references allowed, to test the rest).
+
+    allow_dirty: engineers at work leave the checkout's tree dirty; the edition is the commit either way.
+    """
     out = tmp_path_factory.mktemp("release") / "msglab-learners"
-    build_edition(out, ROOT, strict=False)
+    build_edition(out, ROOT, strict=False, allow_dirty=True)
     yield out
+
+
+def committed(name: str) -> bytes:
+    """A file of the course as its last commit holds it (what the edition ships)."""
+    return subprocess.run(["git", "show", f"HEAD:{name}"], cwd=ROOT, capture_output=True, check=True).stdout
 
 
 def test_no_lesson_or_lab_sends_a_learner_of_the_edition_to_the_solutions() -> None:
@@ -55,9 +65,12 @@ def test_the_edition_holds_the_course_without_its_answers(edition: Path) -> None
     for lab in all_labs(ROOT):
         copy = edition / "labs" / lab.name
         assert (copy / lab.file).is_file() and (copy / "lab.toml").is_file()
-        for path in lab.folder.iterdir():
-            if path.is_file() and not path.name.endswith(".pyc"):
-                assert (copy / path.name).read_bytes() == path.read_bytes(), path
+        for path in copy.iterdir():
+            name = f"labs/{lab.name}/{path.name}"
+            if path.name == "lab.toml":  # its hints' code level is left out (see the test below)
+                assert path.read_text() == strip_code_hints(committed(name).decode()), name
+            else:
+                assert path.read_bytes() == committed(name), name
     assert sorted(p.name for p in (edition / "lessons").glob("*.ipynb")) == sorted(
         p.name for p in (ROOT / "lessons").glob("*.ipynb")
     )
@@ -125,8 +138,8 @@ def test_the_edition_starters_fail_with_teaching_messages(edition: Path, monkeyp
 
 def test_the_edition_notebooks_run_in_nbval(edition: Path, tmp_path: Path) -> None:
     for notebook in [*edition.glob("lessons/*.ipynb"), *edition.glob("labs/*/lab.ipynb")]:
-        original = ROOT / notebook.relative_to(edition)
-        assert notebook.read_bytes() == original.read_bytes(), f"{notebook.name} differs from the instructor's"
+        original = committed(notebook.relative_to(edition).as_posix())
+        assert notebook.read_bytes() == original, f"{notebook.name} differs from the instructor's"
     run = [*sorted(edition.glob("lessons/00_*.ipynb")), *sorted(edition.glob("labs/*/lab.ipynb"))[:1]]
     env = {"MSGLAB_ROOT": str(edition), "MSGLAB_STATE_DIR": str(tmp_path / "state")}
     done = subprocess.run(
@@ -136,3 +149,73 @@ def test_the_edition_notebooks_run_in_nbval(edition: Path, tmp_path: Path) -> No
         env={**{k: v for k, v in os.environ.items() if k != "NATS_URL"}, **env},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def git_course(root: Path) -> Path:
+    """A one-lab course in a git repository of its own, committed."""
+    lab = root / "labs" / "01_demo"
+    lab.mkdir(parents=True)
+    (lab / "demo.py").write_text("async def worker(env):\n    ...  # TODO: the work\n")
+    (lab / "lab.toml").write_text(
+        'title = "demo"\nfile = "demo.py"\n\n[hints.done]\nconcept = """The idea, no code."""\n'
+        'lesson = "Part 1"\ncode = """\nawait env.do_it()  # the answer\n"""\n\n'
+        "[hints.twice]\ncode = 'await env.once()'\nconcept = \"Once.\"\n"
+    )
+    (root / "solutions" / "01_demo").mkdir(parents=True)
+    (root / "solutions" / "01_demo" / "demo.py").write_text("async def worker(env):\n    await env.do_it()\n")
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit",
+                 "-q", "-m", "course"]):  # fmt: skip
+        subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+    return root
+
+
+def test_a_release_is_the_commit_and_a_dirty_tree_is_refused_with_what_differs(tmp_path: Path) -> None:
+    course = git_course(tmp_path / "course")
+    (course / "labs" / "01_demo" / "demo.py").write_text("async def worker(env):\n    await env.do_it()\n")
+    (course / "labs" / "01_demo" / "answer.py").write_text("the solution, never committed\n")
+    (course / "solutions" / "01_demo" / "demo.py").write_text("changed, but solutions/ never ships\n")
+    with pytest.raises(ReleaseError) as raised:
+        build_edition(tmp_path / "out", course)
+    said = str(raised.value)
+    assert "differs from the last commit" in said and "in 2 file(s)" in said, said
+    assert "modified: labs/01_demo/demo.py" in said and "untracked: labs/01_demo/answer.py" in said, said
+    assert "--allow-dirty" in (raised.value.hint or "") and not (tmp_path / "out").exists()
+    edition = build_edition(tmp_path / "out", course, allow_dirty=True)  # the commit, without the changes
+    assert (tmp_path / "out" / "labs" / "01_demo" / "demo.py").read_text().endswith("...  # TODO: the work\n")
+    assert not (tmp_path / "out" / "labs" / "01_demo" / "answer.py").exists()
+    assert sorted(edition.not_shipped) == ["modified: labs/01_demo/demo.py", "untracked: labs/01_demo/answer.py"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=course, capture_output=True, text=True).stdout.strip()
+    assert edition.source == head and f'from_commit = "{head}"' in (tmp_path / "out" / MARKER).read_text()
+
+
+def test_a_graded_release_leaves_the_hints_code_level_out(tmp_path: Path) -> None:
+    course = git_course(tmp_path / "course")
+    build_edition(tmp_path / "graded", course)
+    toml = (tmp_path / "graded" / "labs" / "01_demo" / "lab.toml").read_text()
+    assert "env.do_it" not in toml and "env.once" not in toml and "code =" not in toml
+    hints = tomllib.loads(toml)["hints"]
+    assert hints == {"done": {"concept": "The idea, no code.", "lesson": "Part 1"}, "twice": {"concept": "Once."}}
+    assert "code_hints = false" in (tmp_path / "graded" / MARKER).read_text()
+    build_edition(tmp_path / "workshop", course, code_hints=True)  # a self-study edition keeps them
+    assert "await env.do_it()  # the answer" in (tmp_path / "workshop" / "labs" / "01_demo" / "lab.toml").read_text()
+    for lab in all_labs(ROOT):  # every lab of the course strips cleanly (a hint the parser could not drop stops it)
+        stripped = tomllib.loads(strip_code_hints(committed(f"labs/{lab.name}/lab.toml").decode()))
+        assert stripped["hints"] and not [h for h in stripped["hints"].values() if "code" in h], lab.name
+
+
+def test_a_starter_that_passes_its_lab_stops_the_release(tmp_path: Path, no_nats_url: None) -> None:
+    from msglab.classroom.sample import copy_course
+
+    course = copy_course(tmp_path / "course", ["02_delivery_guarantees"], ROOT)
+    lab = all_labs(course)[0]
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit",
+                 "-q", "-m", "course"]):  # fmt: skip
+        subprocess.run(["git", *args], cwd=course, check=True, capture_output=True)
+    build_edition(tmp_path / "honest", course, check_starters=True)  # the starter as committed fails: released
+    (lab.folder / lab.file).write_bytes(lab.source(solution=True).read_bytes())  # a solution left in labs/
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "oops"], cwd=course,
+                   check=True, capture_output=True)  # fmt: skip
+    with pytest.raises(ReleaseError, match="lab 02: the starter passes") as raised:
+        build_edition(tmp_path / "leaky", course, check_starters=True)
+    assert "a solution may have been left in labs/" in (raised.value.hint or "")
+    assert not (tmp_path / "leaky").exists()

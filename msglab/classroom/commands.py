@@ -15,10 +15,16 @@ from typing import Any
 def _release(args: argparse.Namespace) -> int:
     from msglab.classroom.edition import build_edition
 
-    edition = build_edition(Path(args.out), replace=args.replace, git=not args.no_git)
+    edition = build_edition(Path(args.out), replace=args.replace, git=not args.no_git, allow_dirty=args.allow_dirty,
+                            code_hints=args.code_hints, check_starters=not args.no_starter_check)  # fmt: skip
     labs = sorted({name.split("/")[1] for name in edition.files if name.startswith("labs/") and name.count("/") >= 2})
     print(f"learner edition written to {edition.out}: {len(edition.files)} files, labs {', '.join(labs)}")
+    print(f"  built from commit {edition.source[:12] or '(not a git repository: the folder as it is)'}")
+    for change in edition.not_shipped:
+        print(f"  not shipped (--allow-dirty): {change}")
     print("  left out: solutions/, tests/, scripts/, .ci/, docs/instructors.md (and everything git ignores)")
+    print("  hints: " + ("every level, code included (--code-hints)" if edition.code_hints else
+                         "their code level left out (a graded edition; --code-hints keeps it)"))  # fmt: skip
     if edition.commit:
         print(f"  a git repository of one commit ({edition.commit[:12]}): `msglab reset NN` works in it")
     for note in edition.readme_notes:
@@ -50,13 +56,16 @@ def _grade(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from msglab.classroom.server import Classroom, Limits, learner_names, start
+    from msglab.classroom.server import Classroom, Limits, advertised, learner_names, start
 
     limits = Limits(max_mem=args.max_mem << 20, max_file=args.max_file << 20, max_streams=args.max_streams,
-                    max_consumers=args.max_consumers)  # fmt: skip
+                    max_consumers=args.max_consumers, max_connections=args.max_connections)  # fmt: skip
+    names = learner_names(args.learners)
+    advertise = advertised(args.advertise or "", local=args.local)  # before anything is written or started
+    host = args.host or ("127.0.0.1" if args.local else "0.0.0.0")
     classroom = Classroom.create(
-        Path(args.dir), learner_names(args.learners), limits=limits, host=args.host, port=args.port,
-        advertise=args.advertise or "", monitor_host=args.monitor_host, monitor_port=args.monitor_port,
+        Path(args.dir), names, limits=limits, host=host, port=args.port,
+        advertise=advertise, monitor_host=args.monitor_host, monitor_port=args.monitor_port,
     )  # fmt: skip
     server = start(classroom)
     first = next(iter(classroom.learners))
@@ -124,6 +133,12 @@ def register(subparsers: Any) -> None:
     release.add_argument("--out", required=True, help="the folder to write (new, or an earlier edition with --replace)")
     release.add_argument("--replace", action="store_true", help="replace an earlier learner edition in --out")
     release.add_argument("--no-git", action="store_true", help="do not make the edition a git repository")
+    release.add_argument("--allow-dirty", action="store_true",
+                         help="release the last commit although the working tree differs from it")  # fmt: skip
+    release.add_argument("--code-hints", action="store_true",
+                         help="keep the hints' code level (self-study; a graded edition leaves it out)")  # fmt: skip
+    release.add_argument("--no-starter-check", action="store_true",
+                         help="do not grade each starter once (a starter that passes stops the release)")  # fmt: skip
     release.set_defaults(func=_release)
 
     grade = subparsers.add_parser("grade", help="grade every learner's every lab: gradebook, feedback, verdicts")
@@ -145,9 +160,12 @@ def register(subparsers: Any) -> None:
     serve = room.add_parser("serve", help="one nats-server for the room, one NATS account per learner")
     serve.add_argument("--learners", required=True, help="a number (learner01..), names (alice,bob) or a roster file")
     serve.add_argument("--dir", default="classroom", help="where passwords, handouts and streams live")
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    serve.add_argument("--host", help="address to listen on (default: every interface; with --local, 127.0.0.1)")
     serve.add_argument("--port", type=int, default=4222, help="client port (default 4222; 0: any free port)")
-    serve.add_argument("--advertise", help="the address learners use (default: this machine's room address)")
+    serve.add_argument("--advertise", help="the address learners' laptops reach this machine at (required; "
+                       "serve lists this machine's addresses without it)")  # fmt: skip
+    serve.add_argument("--local", action="store_true", help="a room on this machine only (handouts say 127.0.0.1)")
+    serve.add_argument("--max-connections", type=int, default=32, help="connections per learner (default 32)")
     serve.add_argument("--monitor-host", default="127.0.0.1", help="monitoring address (default: this machine only)")
     serve.add_argument("--monitor-port", type=int, default=8222, help="monitoring port (default 8222; 0: any)")
     serve.add_argument("--max-mem", type=int, default=64, help="MiB of memory storage per learner (default 64)")

@@ -1,13 +1,20 @@
 """The learner edition: `msglab release --out DIR` writes the course without its answers.
 
+It is built from the course's last commit (`git archive HEAD`), never from the working tree: a
+solution pasted into a starter and not committed, or a file git does not track, never ships. A
+working tree that differs from the commit in what would ship is refused, naming each difference
+(`--allow-dirty` releases the commit all the same and lists what it left behind).
+
 Left out: `solutions/` (the reference solutions), `tests/` (its also_right/ variants are correct
 solutions too, and the wrong ones come with their diagnosis) and conftest.py, `scripts/`, `.ci/`,
 `docs/instructors.md`, and everything git ignores (.venv, var/, the learner state in .msglab/).
-Everything else is copied as it is: lessons, labs (their starters, READMEs, lab.toml, notebooks),
-the msglab package with its graders, pyproject.toml, the Makefile. The edition is a git
-repository of one commit (so `msglab reset` can restore a starter) with an `edition.toml` that
-says what it is; `msglab check NN --solution` in it says that this edition has no reference
-solutions.
+Changed: every hint's code level (`code = ...` in lab.toml's `[hints.*]`, which pastes into a
+passing file) is left out unless `--code-hints` (a self-study or workshop edition). Everything else
+is copied as committed: lessons, labs (their starters, READMEs, notebooks), the msglab package with
+its graders, pyproject.toml. The edition is a git repository of one commit (so `msglab reset` can
+restore a starter) with an `edition.toml` that says what it is; `msglab check NN --solution` in it
+says that this edition has no reference solutions. With `check_starters`, every starter is graded
+once in the edition (seed 1): a starter that passes stops the release.
 
 Nothing in the edition may need what was left out: a lesson, lab README, lab notebook or lab file
 that mentions `solutions/`, `--solution` or `solution=True` stops the release (it would send a
@@ -16,11 +23,17 @@ learner to something that is not there), naming the file and line.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -66,6 +79,9 @@ class Edition:
     references: list[Reference] = field(default_factory=list)  # only when written with strict=False
     readme_notes: list[Reference] = field(default_factory=list)  # mentions in the top README (a banner covers them)
     commit: str = ""
+    source: str = ""  # the course's commit it was built from ("" when the course is not a git repository)
+    not_shipped: list[str] = field(default_factory=list)  # working-tree changes left behind (--allow-dirty)
+    code_hints: bool = False  # whether the hints' code level shipped
 
 
 def is_learner_edition(root: Path | None = None) -> bool:
@@ -88,12 +104,19 @@ def require_solution(lab: Lab) -> None:
 
 
 def course_files(root: Path) -> list[str]:
-    """The course's files (posix paths relative to root): what git tracks or would track, or a walk."""
+    """The course's files (posix paths relative to root): what git tracks or would track, or a walk.
+
+    A walk where `root` is not the top of a git repository (a snapshot being released, a copy).
+    """
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()  # fmt: skip
+        if Path(top).resolve() != root.resolve():
+            raise ValueError(top)
         done = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
                               capture_output=True, check=True)  # fmt: skip
         names = [n for n in done.stdout.decode().split("\0") if n]
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, ValueError, subprocess.CalledProcessError):
         names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink()]
     return sorted({n for n in names if (root / n).is_file() and not (root / n).is_symlink() and not NEVER.search(n)})
 
@@ -142,53 +165,177 @@ def solution_references(root: Path | None = None) -> list[Reference]:
 
 
 def build_edition(out: Path, root: Path | None = None, *, strict: bool = True, git: bool = True,
-                  replace: bool = False) -> Edition:  # fmt: skip
-    """Write the learner edition of the course at `root` into `out`.
+                  replace: bool = False, allow_dirty: bool = False, code_hints: bool = False,
+                  check_starters: bool = False) -> Edition:  # fmt: skip
+    """Write the learner edition of the course at `root` (its last commit) into `out`.
 
     strict: refuse (ReleaseError, nothing written) when a lesson or lab mentions the solutions.
     replace: `out` may hold an earlier edition, which is removed first (never any other folder).
+    allow_dirty: release the commit although the working tree differs from it (the differences are listed).
+    code_hints: keep the hints' code level. check_starters: refuse when a starter passes its lab.
     """
     root = (root or course_root()).resolve()
     out = out.resolve()
     if out == root or (out.is_relative_to(root) and not _left_out(out.relative_to(root).as_posix() + "/")):
         raise ReleaseError(f"{out} is inside the course", hint="write the edition outside the course, or under var/")
-    references = solution_references(root)
-    if strict and references:
-        listed = "\n".join(f"  {ref}" for ref in references)
-        raise ReleaseError(
-            f"the learner edition has no solutions/, but {len(references)} place(s) in the lessons and labs "
-            f"send learners there:\n{listed}",
-            hint="rewrite those lines so that they need no reference solution, then release again",
+    with tempfile.TemporaryDirectory(prefix="msglab-release-") as tmp:
+        staging = Path(tmp) / "course"
+        source, not_shipped = snapshot(root, staging, allow_dirty)
+        references = solution_references(staging)
+        if strict and references:
+            listed = "\n".join(f"  {ref}" for ref in references)
+            raise ReleaseError(
+                f"the learner edition has no solutions/, but {len(references)} place(s) in the lessons and labs "
+                f"send learners there:\n{listed}",
+                hint="rewrite those lines so that they need no reference solution, then release again",
+            )
+        files, left_out = [], []
+        for name in course_files(staging):
+            if _left_out(name):
+                left_out.append(name)
+                (staging / name).unlink()
+            else:
+                files.append(name)
+        if not code_hints:
+            for name in files:
+                if PurePosixPath(name).name in ("lab.toml", "hints.toml"):
+                    path = staging / name
+                    path.write_text(strip_code_hints(path.read_text(encoding="utf-8"), name), encoding="utf-8")
+        readme = staging / "README.md"
+        notes = references_in(readme, "README.md") if readme.is_file() else []
+        if readme.is_file():
+            readme.write_text(BANNER + readme.read_text(encoding="utf-8"), encoding="utf-8")
+        labs = sorted({PurePosixPath(n).parts[1] for n in files if n.startswith("labs/") and n.endswith("/lab.toml")})
+        (staging / MARKER).write_text(
+            "# The learner edition of msglab, written by `msglab release`: no solutions/, no tests/.\n"
+            'kind = "learner"\n'
+            f'built = "{datetime.now(UTC).isoformat(timespec="seconds")}"\n'
+            f'from_commit = "{source or "unknown"}"\n'
+            f"code_hints = {json.dumps(code_hints)}\n"
+            f"labs = {json.dumps(labs)}\n",
+            encoding="utf-8",
         )
-    _prepare(out, replace)
-    files, left_out = [], []
-    for name in course_files(root):
-        if _left_out(name):
-            left_out.append(name)
-            continue
-        target = out / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, target)
-        files.append(name)
-    readme = out / "README.md"
-    notes = references_in(readme, "README.md") if readme.is_file() else []
-    if readme.is_file():
-        readme.write_text(BANNER + readme.read_text(encoding="utf-8"), encoding="utf-8")
-    labs = sorted({PurePosixPath(n).parts[1] for n in files if n.startswith("labs/") and n.endswith("/lab.toml")})
-    source = _commit_of(root)
-    (out / MARKER).write_text(
-        "# The learner edition of msglab, written by `msglab release`: no solutions/, no tests/.\n"
-        'kind = "learner"\n'
-        f'built = "{datetime.now(UTC).isoformat(timespec="seconds")}"\n'
-        f'from_commit = "{source}"\n'
-        f"labs = {json.dumps(labs)}\n",
-        encoding="utf-8",
-    )
-    files.append(MARKER)
-    edition = Edition(out, files, left_out, references if not strict else [], notes)
+        files.append(MARKER)
+        if check_starters:
+            refuse_passing_starters(staging, Path(tmp) / "state")
+        _prepare(out, replace)
+        for name in files:
+            target = out / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(staging / name, target)
+    edition = Edition(out, files, left_out, references if not strict else [], notes, source=source,
+                      not_shipped=not_shipped, code_hints=code_hints)  # fmt: skip
     if git:
         edition.commit = _git_commit(out)
     return edition
+
+
+def snapshot(root: Path, dest: Path, allow_dirty: bool = False) -> tuple[str, list[str]]:
+    """Write the course's last commit into `dest`; return the commit and the working tree's differences.
+
+    A working tree whose shipped files differ from the commit (modified, added, deleted, untracked)
+    is a ReleaseError naming them, unless allow_dirty. A course that is not a git repository is
+    copied as it is (returns "" as the commit).
+    """
+    dest.mkdir(parents=True)
+    try:
+        top = _git(root, "rev-parse", "--show-toplevel").decode().strip()
+        head = _git(root, "rev-parse", "HEAD").decode().strip()
+    except (OSError, subprocess.CalledProcessError):
+        for name in course_files(root):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, dest / name)
+        return "", []
+    prefix = root.relative_to(Path(top).resolve()).as_posix() if root != Path(top).resolve() else ""
+    changes = []
+    status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--", ".").decode()
+    entries = iter(status.split("\0"))
+    for entry in entries:
+        if not entry:
+            continue
+        code, name = entry[:2], entry[3:]
+        if code[0] in "RC":
+            next(entries, None)  # a rename's second field: the old name
+        name = name.removeprefix(f"{prefix}/") if prefix else name
+        if _left_out(name) or NEVER.search(name):
+            continue
+        kind = {"??": "untracked", " M": "modified", "M ": "modified (staged)", " D": "deleted", "D ": "deleted",
+                "A ": "added, not committed"}.get(code, f"changed ({code.strip()})")  # fmt: skip
+        changes.append(f"{kind}: {name}")
+    if changes and not allow_dirty:
+        listed = "\n".join(f"  {change}" for change in changes[:30]) + ("\n  ..." if len(changes) > 30 else "")
+        raise ReleaseError(
+            f"the working tree differs from the last commit ({head[:12]}) in {len(changes)} file(s) the edition "
+            f"would ship:\n{listed}",
+            hint="commit (or discard) them and release again; or --allow-dirty releases the commit without them",
+        )
+    tree = f"HEAD:{prefix}" if prefix else "HEAD"
+    archive = _git(root, "archive", "--format=tar", tree)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and not NEVER.search(m.name)]
+        tar.extractall(dest, members=members, filter="data")
+    return head, changes
+
+
+def _git(root: Path, *args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True).stdout
+
+
+_TABLE = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+_CODE = re.compile(r"^\s*code\s*=\s*(\"\"\"|\'\'\'|\"|\')")
+
+
+def strip_code_hints(text: str, name: str = "lab.toml") -> str:
+    """lab.toml without its hints' code level (`code = ...` in `[hints.*]` tables); everything else as it was."""
+    lines = text.splitlines(keepends=True)
+    kept: list[str] = []
+    table, i = "", 0
+    while i < len(lines):
+        line = lines[i]
+        if header := _TABLE.match(line):
+            table = header.group(1)
+        opening = _CODE.match(line) if table.startswith("hints.") else None
+        if not opening:
+            kept.append(line)
+            i += 1
+            continue
+        quote = opening.group(1)
+        rest = "".join(lines[i:])[opening.end() :]
+        end = rest.find(quote)
+        if end < 0:
+            raise ReleaseError(f"{name}: a hint's code in [{table}] never closes its string")
+        i += 1 + rest[: end + len(quote)].count("\n")  # the lines the value spans
+    result = "".join(kept)
+    before, after = tomllib.loads(text), tomllib.loads(result)
+    for hint in before.get("hints", {}).values():
+        if isinstance(hint, dict):
+            hint.pop("code", None)
+    if before != after:
+        raise ReleaseError(f"{name}: the hints' code level could not be left out cleanly",
+                           hint="write each hint's code as `code = \"\"\"...\"\"\"` on lines of its own")  # fmt: skip
+    return result
+
+
+def refuse_passing_starters(course: Path, state: Path) -> None:
+    """Grade every starter of `course` once (seed 1); a starter that passes, or cannot be graded, is a ReleaseError."""
+    from msglab.catalog import all_labs
+
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    env.update(MSGLAB_ROOT=str(course), MSGLAB_STATE_DIR=str(state))
+
+    def check(lab: Lab) -> tuple[Lab, int, str]:
+        done = subprocess.run([sys.executable, "-m", "msglab", "check", lab.number, "--seed", "1", "--json"],
+                              capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        return lab, done.returncode, (done.stdout or done.stderr).strip()[:300]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(check, all_labs(course)))
+    wrong = [f"  lab {lab.number}: the starter passes (seed 1)" for lab, code, _ in results if code == 0]
+    wrong += [f"  lab {lab.number}: the starter could not be graded: {said}" for lab, code, said in results
+              if code not in (0, 1)]  # fmt: skip
+    if wrong:
+        hint = "commit the starter as learners should get it (a solution may have been left in labs/)"
+        raise ReleaseError("a starter must fail its lab with a teaching message:\n" + "\n".join(wrong), hint=hint)
 
 
 def _prepare(out: Path, replace: bool) -> None:

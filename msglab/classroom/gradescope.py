@@ -137,7 +137,8 @@ def build_bundle(out: Path, labs: list[Lab], *, wheelhouse: Path | None = None, 
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    build_edition(folder / "course", strict=False, git=False)
+    # The grader's own course, never shown to learners: every hint level, and the instructor's tree as committed.
+    build_edition(folder / "course", strict=False, git=False, allow_dirty=True, code_hints=True)
     for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
         (folder / name).write_text(text)
         (folder / name).chmod(0o755)
