@@ -1,12 +1,12 @@
 """Lab 01's grader judged on real runs: what its verdicts say, and that each rule's evidence is in them.
 
-Whether the starter, the solution and every variant get their expected verdict, on four seeds and
-under load, is tests/test_variants*.py; here, what the messages teach and what they must not claim.
+Whether the starter, the solution and every variant get their expected verdict, and what a variant's
+verdict says (its `Says:` lines), on five seeds, is tests/test_variants*.py; here, the starter's story,
+the evidence behind a passing run, and files made in a test to exercise one grader behaviour.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ from msglab.graders import request_reply_vs_events as lab01
 from msglab.grading.grade import grade
 from msglab.grading.verdict import Check, Verdict
 
-VARIANTS = Path(__file__).parent / "variants" / "01_request_reply_vs_events"
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "01_request_reply_vs_events" / "orders.py"
 
 
@@ -88,22 +87,6 @@ def test_a_passing_run_shows_every_rule_at_work(no_nats_url: None, monkeypatch: 
     assert [e.pid for e in late] == [workers.children[-1].pid]
 
 
-def test_an_order_accepted_while_the_stream_refused_it_is_caught(no_nats_url: None) -> None:
-    verdict = grade("01", source=VARIANTS / "core_publish.py", seed=2)
-    order = lab01.Plan.draw(2).one("stream_refused").id
-    stored = failed(verdict, "accepted_means_stored")
-    assert f"{order} was placed while the stream refused every publish" in stored.message
-    assert "returned normally (accepted)" in stored.message
-    assert f"at that moment the stream held no event for {order}" in stored.message
-    # A core publish sits in the client's buffer: flushed while the stream refuses, it is dropped;
-    # flushed after, it lands late. Either way the message says which happened.
-    assert (
-        "No event for it ever reached the stream" in stored.message or "reached the stream only later" in stored.message
-    )
-    assert "never confirmed" in stored.hint
-    assert "temporal coupling" not in verdict.to_text()
-
-
 def test_a_worker_that_stops_asking_after_an_empty_fetch_is_caught(no_nats_url: None, tmp_path: Path) -> None:
     # Survives, but waits for a signal that never comes once the backlog is done.
     path = variant_of_solution(
@@ -116,55 +99,6 @@ def test_a_worker_that_stops_asking_after_an_empty_fetch_is_caught(no_nats_url: 
     idle = failed(verdict, "worker_survives_idle")
     assert "was never followed by another: it did not ask again after an empty fetch" in idle.message
     assert "no_unplanned_deaths" not in {c.name for c in verdict.failures}  # it is alive, just deaf
-
-
-def test_a_worker_that_returns_on_an_empty_fetch_is_caught(no_nats_url: None) -> None:
-    verdict = grade("01", source=VARIANTS / "returns_on_empty_fetch.py", seed=3)
-    idle = failed(verdict, "worker_survives_idle")
-    assert "returned on its own" in idle.message
-    assert "empty fetch means 'nothing yet'" in idle.hint
-    assert "returned on its own" in failed(verdict, "no_unplanned_deaths").message
-
-
-def test_missing_timeout_fails_by_the_lower_bound(no_nats_url: None) -> None:
-    verdict = grade("01", source=VARIANTS / "request_without_timeout.py", seed=4)
-    early = failed(verdict, "refuses_inventory_silent")
-    # nats-py's default 0.5 s, measured in the learner's process: a busy machine adds, never subtracts.
-    assert re.search(r"It gave up after 0\.[5-7]\d s, before env\.request_timeout \(0\.8 s\)", early.message)
-    assert "it received the request at" in early.message  # the inventory did get it: silent, not down
-    assert "nats-py's default, 0.5 s" in early.hint
-
-
-def test_duplicates_are_judged_on_the_brokers_acks(no_nats_url: None) -> None:
-    never = grade("01", source=VARIANTS / "never_acks.py", seed=2)
-    dup = failed(never, "no_duplicate_emails")
-    assert "ever reached the broker, so it delivered the event again after every ack_wait" in dup.message
-    assert "consumer of your own" not in dup.message  # it did read the durable
-    assert "The broker never received an ack on it" in failed(never, "all_acked").message
-    own = grade("01", source=VARIANTS / "ephemeral_consumer.py", seed=2)
-    assert "No worker ever asked it for events" in failed(own, "all_acked").message
-
-
-def test_ack_before_work_names_the_ack_the_broker_received(no_nats_url: None) -> None:
-    verdict = grade("01", source=VARIANTS / "ack_before_work.py", seed=5)
-    lost = failed(verdict, "no_lost_emails")
-    assert "acked before its email" in lost.message and "SIGKILLed in between" in lost.message
-    assert any("SIGKILLed before the email went out (injected)" in step for step in lost.trace)
-    assert lost.trace[-1] == "never emailed"
-
-
-def test_a_worker_that_dies_of_a_redelivery_is_quoted(no_nats_url: None) -> None:
-    verdict = grade("01", source=VARIANTS / "worker_dies_on_redelivery.py", seed=1)
-    death = failed(verdict, "no_unplanned_deaths")
-    assert "raised RuntimeError(event" in death.message
-    assert any("Traceback" in line or "raise RuntimeError" in line for line in death.trace)
-
-
-def test_loyalty_asked_and_announced_is_shown_both_ways(no_nats_url: None) -> None:
-    verdict = grade("01", source=VARIANTS / "loyalty_called_synchronously.py", seed=1)
-    twice = failed(verdict, "loyalty_exactly_once")
-    assert "1 by request from place_order, 1 from events on its durable" in twice.message
-    assert "asking it as well awards points twice" in twice.hint
 
 
 def test_a_hung_place_order_is_stopped_and_what_was_not_tested_is_said(no_nats_url: None, tmp_path: Path) -> None:
@@ -180,21 +114,3 @@ def test_a_hung_place_order_is_stopped_and_what_was_not_tested_is_said(no_nats_u
     down = failed(verdict, "refuses_inventory_down")
     assert down.message.startswith("could not be tested")
     assert verdict.seconds < 30  # two hung calls, then no more orders: no 60 s grading timeout
-
-
-def test_failing_run_replays_from_its_seed(no_nats_url: None) -> None:
-    first = grade("01", source=VARIANTS / "ack_before_work.py", seed=11)
-    again = grade("01", source=VARIANTS / "ack_before_work.py", seed=11)
-    assert [c.name for c in first.failures] == [c.name for c in again.failures] == ["no_lost_emails"]
-    # The same faults: the same SIGKILLs at the same calls, the same orders in the same slots.
-    assert lab01.Plan.draw(11).crashes == lab01.Plan.draw(11).crashes
-    assert [o.role for o in lab01.Plan.draw(11).orders] == [o.role for o in lab01.Plan.draw(11).orders]
-
-
-def test_broken_file_fails_with_its_line_not_a_traceback(no_nats_url: None, tmp_path: Path) -> None:
-    broken = tmp_path / "orders.py"
-    broken.write_text("async def place_order(env, order)\n    pass\n")
-    verdict = grade("01", source=broken, seed=1)
-    assert [c.name for c in verdict.checks] == ["file_imports"]
-    assert "orders.py:1" in verdict.checks[0].message
-    assert "SyntaxError" in verdict.checks[0].message

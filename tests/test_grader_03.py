@@ -1,7 +1,9 @@
 """Lab 03's grader judged on real runs, by behaviour: the starter fails with the incident's own story,
 a redelivery after the gateway's key window is caught and survivable, the race of two workers is
 decided only by the learner's uniqueness guarantee, and every claim a message makes is true of the
-evidence. (tests/test_variants.py grades every variant on four seeds; this file does not repeat it.)"""
+evidence the grader collected. (tests/test_variants.py grades every variant on four seeds and checks
+the words of its verdict, its `Says:` lines; this file grades a variant only to compare what its
+verdict claims with the grader's evidence.)"""
 
 from __future__ import annotations
 
@@ -57,6 +59,15 @@ def test_solution_passes_and_every_planned_event_happened(no_nats_url: None, evi
     assert any("both workers let go at once" in step for step in race)
     assert any("a day later" in step for step in ev.traces[ev.plan.day_later])
     assert ev.lab.advanced_at is not None
+    # The key window is survivable with the gateway's search: the payment redelivered after it was
+    # charged once, and found by a search after the clock moved.
+    expired = dict(ev.plan.crashed)["key_expired"]
+    (charge,) = ev.charges[expired]
+    steps = ev.traces[expired]
+    moved = next(i for i, s in enumerate(steps) if "clock moved 25 h" in s)
+    assert any(f"searched the gateway for charges of it: {charge.charge_id}" in s for s in steps[moved:]), steps
+    # and a payment credited earlier never reaches the gateway again when its copy comes a day later
+    assert len(ev.requests[ev.plan.day_later]) == 1
 
 
 def test_starter_fails_with_the_double_charge_story(no_nats_url: None) -> None:
@@ -79,9 +90,7 @@ def test_a_redelivery_after_the_key_window_is_caught_and_named(no_nats_url: None
     charged = verdict.failures[0]
     ev = evidence["ev"]
     expired = dict(ev.plan.crashed)["key_expired"]
-    assert charged.message.split(":")[1].strip().startswith(expired)
-    assert "key window" in charged.message and "had forgotten the key" in charged.message
-    assert "search" in charged.hint
+    assert charged.message.split(":")[1].strip().startswith(expired)  # its words: the variant's Says lines
     first, second = ev.charges[expired]
     assert second.created - first.created > KEY_WINDOW  # on the gateway's own clock
     assert {r.idempotency_key for r in ev.requests[expired]} == {expired}  # one key all along
@@ -91,46 +100,16 @@ def test_a_redelivery_after_the_key_window_is_caught_and_named(no_nats_url: None
     assert killed < moved < max(i for i, s in enumerate(steps) if "asked the gateway to charge it" in s)
 
 
-def test_the_key_window_is_survivable_with_the_gateways_search(no_nats_url: None, evidence: dict[str, Any]) -> None:
-    verdict = grade("03", solution=True, seed=2)
-    assert verdict.passed, verdict.to_text()
-    ev = evidence["ev"]
-    expired = dict(ev.plan.crashed)["key_expired"]
-    (charge,) = ev.charges[expired]
-    steps = ev.traces[expired]
-    moved = next(i for i, s in enumerate(steps) if "clock moved 25 h" in s)
-    assert any(f"searched the gateway for charges of it: {charge.charge_id}" in s for s in steps[moved:]), steps
-    # and a payment credited earlier never reaches the gateway again when its copy comes a day later
-    assert len(ev.requests[ev.plan.day_later]) == 1
-
-
-def test_a_check_after_the_gateway_charges_a_late_copy_again(no_nats_url: None) -> None:
-    verdict = grade("03", source=VARIANTS / "dedup_after_gateway.py", seed=5)
-    charged = failure(verdict, "charged_once")
-    plan = draw_plan(5)
-    named = {pid for pid in re.findall(r"p-\d\d", charged.message)}
-    assert named <= {dict(plan.crashed)["key_expired"], plan.day_later}
-    # Two payments charged twice: the redelivery after the window and the copy a day later.
-    assert charged.message.startswith("2 of 10 payments were charged more than once")
-
-
 def test_the_race_is_decided_only_by_the_uniqueness_guarantee(no_nats_url: None, evidence: dict[str, Any]) -> None:
     verdict = grade("03", source=VARIANTS / "check_then_insert_no_unique.py", seed=6)
     assert [c.name for c in verdict.failures] == ["credited_once"], verdict.to_text()
     credited = verdict.failures[0]
     race = draw_plan(6).race
-    assert f": {race} (" in credited.message and "two workers held it at the same moment" in credited.message
+    assert f": {race} (" in credited.message  # its words: the variant's Says lines
     assert sum("held there until a second worker" in step for step in credited.trace) == 2
-    assert "unique key" in credited.hint
     held = [int(w) for w in re.findall(r"worker (\d+) reached its first database write", "\n".join(credited.trace))]
     assert len(set(held)) == 2  # two processes, each held at its own first write
     assert evidence["ev"].ledger[race] == 2
-
-
-@pytest.mark.parametrize("variant", ["begin_immediate", "insert_or_ignore"])
-def test_a_lock_or_an_ignored_insert_wins_the_same_race(no_nats_url: None, variant: str) -> None:
-    verdict = grade("03", source=VARIANTS / "also_right" / f"{variant}.py", seed=6)
-    assert verdict.passed, verdict.to_text()
 
 
 def test_a_key_from_the_clock_fails_because_redeliveries_come_over_a_second_later(
@@ -169,14 +148,6 @@ def test_what_failing_messages_claim_is_what_the_evidence_shows(no_nats_url: Non
                 assert ev.ledger.get(pid, 0) == 0
 
 
-def test_a_worker_that_returns_when_idle_misses_the_late_payment(no_nats_url: None) -> None:
-    verdict = grade("03", source=VARIANTS / "returns_on_empty_fetch.py", seed=1)
-    late = failure(verdict, "late_payment_handled")
-    assert draw_plan(1).late in late.message and "never acked" in late.message
-    assert "returned on its own" in late.message
-    assert "returned on its own" in failure(verdict, "no_unplanned_deaths").message
-
-
 def test_a_worker_cannot_reach_the_gateway_behind_the_graders_back(
     no_nats_url: None, evidence: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -213,14 +184,6 @@ def test_plan_replays_from_its_seed_and_covers_every_point() -> None:
         assert len({p["account"] for p in plan.payments}) == 3
     assert draw_plan(1) != draw_plan(2)
     assert ACK_WAIT > 1.0  # a redelivery comes more than a second after its delivery (rule 5)
-
-
-def test_broken_file_fails_with_its_line_not_a_traceback(no_nats_url: None, tmp_path: Path) -> None:
-    broken = tmp_path / "payments.py"
-    broken.write_text("def setup_db(db)\n    pass\n")
-    verdict = grade("03", source=broken, seed=1)
-    assert [c.name for c in verdict.checks] == ["file_imports"]
-    assert "payments.py:1" in verdict.checks[0].message
 
 
 def test_playground_lets_a_learner_see_a_redelivery_and_a_day_later_by_hand(no_nats_url: None) -> None:

@@ -1,11 +1,11 @@
-"""Lab 04's grader judged on real runs: the solution passes, the starter and the wrong variants fail
-for their own reasons, the plan replays from the seed, and every planned fault really happens."""
+"""Lab 04's grader judged on real runs: the starter fails with the hot-loop story, the plan replays
+from the seed, every planned fault really happens, and the playground works by hand. (What each
+variant's verdict must say is its `Says:` lines, graded in tests/test_variants.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,28 +13,6 @@ import pytest
 from msglab.graders import poison_messages as grader
 from msglab.graders.poison_messages import PERMANENT, draw_plan
 from msglab.grading.grade import grade
-
-VARIANTS = Path(__file__).parent / "variants" / "04_poison_messages"
-ALL = {
-    "none_lost",
-    "not_both",
-    "permanent_not_retried",
-    "retries_bounded",
-    "transient_delivered",
-    "backoff_grows",
-    "dlq_once",
-    "dlq_record",
-    "line_keeps_moving",
-    "redrive_once",
-    "faults_fired",
-    "no_unplanned_deaths",
-}
-
-
-def test_solution_passes_every_check(no_nats_url: None) -> None:
-    verdict = grade("04", solution=True, seed=1)
-    assert verdict.passed, verdict.to_text()
-    assert {c.name for c in verdict.checks} == ALL
 
 
 def test_starter_fails_with_the_hot_loop_story(no_nats_url: None) -> None:
@@ -46,26 +24,6 @@ def test_starter_fails_with_the_hot_loop_story(no_nats_url: None) -> None:
     assert "max_deliver moves a message nowhere" in lost.message
     hot = next(c for c in verdict.failures if c.name == "retries_bounded")
     assert "nak'ed with no delay" in hot.message and any("nak'ed (delivery 1), no delay" in s for s in hot.trace)
-
-
-@pytest.mark.parametrize(
-    ("variant", "check", "words"),
-    [
-        ("dlq_without_msg_id", "dlq_once", "SIGKILLed right after the DLQ stream confirmed"),
-        ("dlq_msg_id_per_delivery", "dlq_once", "different Nats-Msg-Ids"),
-        ("terms_after_refused_dlq", "none_lost", "refused its dead letter"),
-        ("sleeps_in_handler", "line_keeps_moving", "within one delivery"),
-        ("redrive_without_msg_id", "redrive_once", "after the redrive"),
-        ("every_failure_permanent", "transient_delivered", "says the provider is in trouble"),
-        ("retries_permanent", "permanent_not_retried", "A 4xx status says the request itself is wrong"),
-        ("fixed_delay", "backoff_grows", "the delays your worker asked for"),
-    ],
-)
-def test_wrong_variant_fails_for_its_reason(no_nats_url: None, variant: str, check: str, words: str) -> None:
-    verdict = grade("04", source=VARIANTS / f"{variant}.py", seed=4)
-    failure = next((c for c in verdict.failures if c.name == check), None)
-    assert failure is not None, verdict.to_text()
-    assert words in failure.message, failure.message
 
 
 def test_plan_replays_from_its_seed_and_meets_every_kind() -> None:
@@ -81,14 +39,6 @@ def test_plan_replays_from_its_seed_and_meets_every_kind() -> None:
         with pytest.raises(ValueError):
             json.loads(malformed.payload)
     assert draw_plan(1) != draw_plan(2)
-
-
-def test_broken_file_fails_with_its_line(no_nats_url: None, tmp_path: Path) -> None:
-    broken = tmp_path / "emails.py"
-    broken.write_text("async def email_worker(env)\n    pass\n")
-    verdict = grade("04", source=broken, seed=1)
-    assert [c.name for c in verdict.checks] == ["file_imports"]
-    assert "emails.py:1" in verdict.checks[0].message
 
 
 def test_every_planned_fault_happens_in_a_solution_run(no_nats_url: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
-"""Lab 05's grader judged on real runs: the solution passes, the starter and wrong variants fail for
-their own reason with messages that teach, the plan replays from its seed, and the true-age bounds
-and the status rule are right on their own."""
+"""Lab 05's grader judged on real runs: the starter fails with messages that teach, refusing by depth
+is caught on the deep young queue, the plan replays from its seed, and the true-age bounds and the
+status rule are right on their own. (What each variant's verdict must say is its `Says:` lines,
+graded in tests/test_variants.py.)"""
 
 from __future__ import annotations
 
@@ -41,12 +42,6 @@ def failure(verdict: Any, name: str) -> Any:
     return next(c for c in verdict.failures if c.name == name)
 
 
-def test_solution_passes_every_check(no_nats_url: None) -> None:
-    verdict = grade("05", solution=True, seed=1)
-    assert verdict.passed, verdict.to_text()
-    assert {c.name for c in verdict.checks} == ALL
-
-
 def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
     verdict = grade("05", seed=2)
     failed = {c.name for c in verdict.failures}
@@ -60,19 +55,6 @@ def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
     assert all(c.message and c.hint for c in verdict.failures)
 
 
-@pytest.mark.parametrize(
-    ("variant", "words"),
-    [
-        ("age_without_subject", "orders.cancelled"),
-        ("age_from_delivered", "ack floor"),
-        ("age_of_stream_first", "limits retention"),
-    ],
-)
-def test_a_wrong_age_gets_the_hint_for_its_cause(no_nats_url: None, variant: str, words: str) -> None:
-    verdict = grade("05", source=VARIANTS / f"{variant}.py", seed=3)
-    assert words in failure(verdict, "age_tracks_truth").hint, verdict.to_text()
-
-
 def test_refusing_by_depth_is_caught_on_the_deep_young_queue(no_nats_url: None) -> None:
     verdict = grade("05", source=VARIANTS / "refuses_by_depth.py", seed=4)
     check = failure(verdict, "refuses_only_over_budget")
@@ -80,12 +62,6 @@ def test_refusing_by_depth_is_caught_on_the_deep_young_queue(no_nats_url: None) 
     assert not {"age_tracks_truth", "not_fooled_by_depth", "status_from_level_and_trend"} & {
         c.name for c in verdict.failures
     }
-
-
-def test_an_intake_that_waits_instead_of_refusing_is_named(no_nats_url: None) -> None:
-    verdict = grade("05", source=VARIANTS / "waits_instead_of_refusing.py", seed=5)
-    check = failure(verdict, "refuses_over_budget")
-    assert "did not answer" in check.message and "at once" in check.hint, verdict.to_text()
 
 
 def test_plan_replays_from_its_seed() -> None:
@@ -114,14 +90,6 @@ def test_true_age_bounds_cover_every_moment_of_a_call() -> None:
     assert truth.bounds(13.0, 13.0)[:2] == pytest.approx((2.0, 2.0))  # order 2 alone
     assert truth.bounds(9.0, 9.5)[:2] == (0.0, 0.0)  # nothing stored yet
     assert math.isinf(Handled(3, 0.0, None).ack_done)
-
-
-def test_a_broken_file_fails_with_its_line(no_nats_url: None, tmp_path: Path) -> None:
-    broken = tmp_path / "intake.py"
-    broken.write_text("async def queue_age(env)\n    return 0.0\n")
-    verdict = grade("05", source=broken, seed=1)
-    assert [c.name for c in verdict.checks] == ["file_imports"]
-    assert "intake.py:1" in verdict.checks[0].message
 
 
 async def until(condition: Any, limit: float = 10.0) -> bool:

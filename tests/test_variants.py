@@ -1,25 +1,17 @@
-"""Every lab's starter fails, its solution passes, and every known variant, wrong or written
-differently, gets its expected verdict, on four seeds of its own (rule 9 of msglab.grading; the
-fifth is seed 11, in tests/test_variants_under_load.py)."""
+"""Every lab's starter fails and teaches, its solution passes, and every known variant, wrong or
+written differently, gets its expected verdict and says what its `Says:` lines say, on four seeds of
+its own (rule 9 of msglab.grading; the fifth is seed 11, in tests/test_variants_under_load.py)."""
 
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from verdicts import Case, all_cases
+from verdicts import LOAD_SEED, Case, all_cases
 
 from msglab.grading.grade import grade
 
 CASES = all_cases()
-
-
-def seeds(case: Case) -> list[int]:
-    """Four consecutive seeds, starting where the file's name says: each file meets other plans, so
-    the suite as a whole covers a few hundred, and any failure names its seed for a replay."""
-    first = 1 + zlib.crc32(case.id.encode()) % 200
-    return [first, first + 1, first + 2, first + 3]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -27,9 +19,13 @@ def test_known_file_gets_its_expected_verdict_on_four_seeds(no_nats_url: None, c
     # Two seeds at a time beside the suite's other workers: a verdict mostly waits on timers, and a
     # grader must not care (rule 8); five at once starved lab 05's age judgments of CPU.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        verdicts = list(pool.map(lambda seed: grade(case.lab, source=case.path, seed=seed), seeds(case)))
+        verdicts = list(pool.map(lambda seed: grade(case.lab, source=case.path, seed=seed), case.seeds))
     problems = [f"seed {v.seed}: {p}" for v in verdicts if (p := case.judge(v))]
     assert not problems, "\n\n".join(problems)
+
+
+def test_every_file_meets_five_seeds_a_run() -> None:
+    assert all(len({*case.seeds, LOAD_SEED}) == 5 for case in CASES)
 
 
 def test_every_variant_declares_what_it_expects() -> None:

@@ -10,13 +10,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from verdicts import all_cases
+from verdicts import LOAD_SEED, all_cases
 
 from msglab.catalog import all_labs
 from msglab.grading.grade import grade
 
 LABS = [lab.number for lab in all_labs()]
-SEED = 11  # not one of test_variants' seeds: one more seed, under load
 AT_ONCE = 4  # verdicts graded together, on top of the spinners
 
 
@@ -39,6 +38,6 @@ def test_every_known_file_keeps_its_verdict_with_every_core_busy(no_nats_url: No
     assert busy_cpus >= 1
     cases = [c for c in all_cases() if c.lab == lab]
     with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
-        verdicts = list(pool.map(lambda case: grade(case.lab, source=case.path, seed=SEED), cases))
+        verdicts = list(pool.map(lambda case: grade(case.lab, source=case.path, seed=LOAD_SEED), cases))
     problems = [p for case, verdict in zip(cases, verdicts, strict=True) if (p := case.judge(verdict))]
     assert not problems, "\n\n".join(problems)

@@ -5,11 +5,16 @@ A variant's docstring says what it expects, on a line of its own:
     Expect: fail a|b                           (at least one of them: the same mistake shows as
                                                 either, depending on the run's timing)
     Expect: pass                               (under also_right/: a correct file written differently)
+
+and, on lines of their own, what its verdict must say (so no test grades the file again to read it):
+    Says: temporal coupling                    (in Verdict.to_text(), any case, on every seed)
+    Says: dropped | reached the stream later   (at least one of them)
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +23,8 @@ from msglab.grading.verdict import Verdict
 
 VARIANTS = Path(__file__).resolve().parent / "variants"
 EXPECT = re.compile(r"^[ \t]*Expect:[ \t]*(pass|fail)\b[ \t]*(.*)$", re.M)
+SAYS = re.compile(r"^[ \t]*Says:[ \t]*(.*?)[ \t]*$", re.M)
+LOAD_SEED = 11  # every file's fifth seed, graded with every core busy (tests/test_variants_under_load.py)
 
 
 @dataclass(frozen=True)
@@ -29,10 +36,21 @@ class Case:
     path: Path
     passes: bool
     checks: frozenset[str] = frozenset()  # for a failing file: checks that must be among the failures
+    says: tuple[tuple[str, ...], ...] = ()  # texts the verdict must contain: one of each tuple
+    teaches: bool = False  # every failure carries its evidence and a hint (the starter's first verdict)
+    hinted: frozenset[str] = frozenset()  # check ids with hints (lab.toml's or the platform's); empty: not judged
 
     @property
     def id(self) -> str:
         return f"{self.lab}-{self.name}"
+
+    @property
+    def seeds(self) -> list[int]:
+        """Four seeds of the file's own, from where its name says, never LOAD_SEED: with it, five seeds
+        a run (rule 9); each file meets other plans, so the suite covers a few hundred, and any failure
+        names its seed for a replay."""
+        first = 1 + zlib.crc32(self.id.encode()) % 200
+        return [seed for seed in range(first, first + 5) if seed != LOAD_SEED][:4]
 
     def judge(self, verdict: Verdict) -> str:
         """An empty string when the verdict is the expected one, else what is wrong with it."""
@@ -43,6 +61,16 @@ class Case:
             return f"{self.id} must fail, but passed:\n{verdict.to_text()}"
         if not all(failed & set(group.split("|")) for group in self.checks):
             return f"{self.id} must fail {sorted(self.checks)}; failed {sorted(failed)}:\n{verdict.to_text()}"
+        text = verdict.to_text().lower()
+        missing = [" | ".join(words) for words in self.says if not any(w.lower() in text for w in words)]
+        if missing:
+            return f"{self.id} must say {missing}:\n{verdict.to_text()}"
+        if self.teaches and not all(c.message and c.hint for c in verdict.failures):
+            mute = [c.name for c in verdict.failures if not (c.message and c.hint)]
+            return f"{self.id}: every failure teaches, evidence and a hint; {mute} do not:\n{verdict.to_text()}"
+        unhinted = {c.name for c in verdict.checks} - self.hinted if self.hinted else set()
+        if unhinted:
+            return f"{self.id}: checks without [hints.<id>] in lab.toml or the platform's: {sorted(unhinted)}"
         return ""
 
 
@@ -55,14 +83,24 @@ def expectation(path: Path) -> tuple[bool, frozenset[str]]:
     return match.group(1) == "pass", checks
 
 
+def sayings(path: Path) -> tuple[tuple[str, ...], ...]:
+    """Read a variant's Says lines: each a tuple of alternatives, of which the verdict must contain one."""
+    found = tuple(tuple(w.strip() for w in line.split(" | ") if w.strip()) for line in SAYS.findall(path.read_text()))
+    if not all(found):
+        raise ValueError(f"{path} has an empty 'Says:' line")
+    return found
+
+
 def all_cases() -> list[Case]:
-    """Starter (fails), solution (passes) and every variant, for every lab."""
+    """Starter (fails, and teaches), solution (passes, every check it reports has hints) and every
+    variant, for every lab."""
     cases = []
     for lab in all_labs():
-        cases.append(Case(lab.number, "starter", lab.source(solution=False), passes=False))
-        cases.append(Case(lab.number, "solution", lab.source(solution=True), passes=True))
+        cases.append(Case(lab.number, "starter", lab.source(solution=False), passes=False, teaches=True))
+        cases.append(Case(lab.number, "solution", lab.source(solution=True), passes=True, hinted=frozenset(lab.hints)))
         folder = VARIANTS / lab.name
         for path in sorted(folder.rglob("*.py")) if folder.is_dir() else []:
             passes, checks = expectation(path)
-            cases.append(Case(lab.number, str(path.relative_to(folder).with_suffix("")), path, passes, checks))
+            name = str(path.relative_to(folder).with_suffix(""))
+            cases.append(Case(lab.number, name, path, passes, checks, sayings(path)))
     return cases

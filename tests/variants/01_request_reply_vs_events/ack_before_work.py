@@ -2,6 +2,10 @@
 
 A crash between the ack and the email loses that order: the broker never delivers an acked event again.
 Expect: fail no_lost_emails
+Says: acked before its email
+Says: SIGKILLed in between
+Says: SIGKILLed before the email went out (injected)
+Says: never emailed
 """
 
 import asyncio

@@ -2,6 +2,11 @@
 
 When the stream refuses the event, place_order still reports the order accepted, and it is lost.
 Expect: fail accepted_means_stored
+Says: was placed while the stream refused every publish
+Says: returned normally (accepted)
+Says: at that moment the stream held no event for
+Says: No event for it ever reached the stream | reached the stream only later
+Says: never confirmed
 """
 
 import asyncio

@@ -4,6 +4,7 @@ The durable 'email' is never read. Where the server lets a learner create consum
 worker reads the stream from the start again (emails twice); on the grader's own server it may not,
 and no email goes out at all.
 Expect: fail all_acked, worker_survives_idle
+Says: No worker ever asked it for events
 """
 
 import asyncio

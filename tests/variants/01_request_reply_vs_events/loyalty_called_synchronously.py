@@ -3,6 +3,8 @@
 A silent loyalty service makes placing an order fail, and the points go missing; when loyalty answers,
 it also reads the event, so the points are awarded twice.
 Expect: fail accepts_while_loyalty_silent, loyalty_exactly_once
+Says: 1 by request from place_order, 1 from events on its durable
+Says: asking it as well awards points twice
 """
 
 import asyncio

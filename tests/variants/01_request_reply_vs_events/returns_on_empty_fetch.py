@@ -1,6 +1,8 @@
 """Wrong variant: the worker stops when a fetch comes back empty ("nothing left to do").
 
 Expect: fail worker_survives_idle, no_unplanned_deaths
+Says: returned on its own
+Says: empty fetch means 'nothing yet'
 """
 
 import asyncio

@@ -1,6 +1,8 @@
 """Wrong variant: the worker treats a redelivered event as an error, and dies of it.
 
 Expect: fail no_unplanned_deaths
+Says: raised RuntimeError(event
+Says: Traceback | raise RuntimeError
 """
 
 import asyncio

@@ -2,6 +2,9 @@
 same payment at once both look before either inserts, and both credit it.
 
 Expect: fail credited_once
+Says: two workers held it at the same moment
+Says: held there until a second worker
+Says: unique key
 """
 
 import json

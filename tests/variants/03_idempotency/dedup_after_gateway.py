@@ -3,6 +3,7 @@ make a repeat harmless. A copy of a credited payment published a day later, afte
 the key, is charged again.
 
 Expect: fail charged_once
+Says: of 10 payments were charged more than once
 """
 
 import json

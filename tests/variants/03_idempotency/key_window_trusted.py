@@ -3,6 +3,9 @@ payment whose worker died between the charge and the credit is redelivered after
 the key: charged again.
 
 Expect: fail charged_once
+Says: key window
+Says: had forgotten the key
+Says: search
 """
 
 import json

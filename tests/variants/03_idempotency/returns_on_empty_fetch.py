@@ -2,6 +2,8 @@
 spell no worker is left, and a payment published then is never handled.
 
 Expect: fail late_payment_handled, no_unplanned_deaths
+Says: never acked
+Says: returned on its own
 """
 
 import json

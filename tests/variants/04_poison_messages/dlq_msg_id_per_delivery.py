@@ -1,6 +1,7 @@
 """Makes the dead letter's Nats-Msg-Id from the delivery count: the redelivery after a kill gets a new id.
 
 Expect: fail dlq_once
+Says: different Nats-Msg-Ids
 """
 
 import json

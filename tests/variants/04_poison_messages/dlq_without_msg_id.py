@@ -1,6 +1,7 @@
 """Publishes dead letters without a Nats-Msg-Id: a kill after the publish and before the term leaves a second copy.
 
 Expect: fail dlq_once
+Says: SIGKILLed right after the DLQ stream confirmed
 """
 
 import json

@@ -1,6 +1,7 @@
 """Dead-letters every failure at once, even a 503 or a reset connection that would pass in a moment.
 
 Expect: fail transient_delivered
+Says: says the provider is in trouble
 """
 
 import json

@@ -1,6 +1,7 @@
 """Retries after the same 0.3 s every time: the waits do not grow.
 
 Expect: fail backoff_grows
+Says: the delays your worker asked for
 """
 
 import json

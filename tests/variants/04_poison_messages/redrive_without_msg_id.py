@@ -1,6 +1,7 @@
 """Republishes without a Nats-Msg-Id: every run of the redrive sends the emails again.
 
 Expect: fail redrive_once
+Says: after the redrive
 """
 
 import json

@@ -1,6 +1,7 @@
 """Treats every failure as transient: a 422 or a cut-off payload is retried until the budget is gone.
 
 Expect: fail permanent_not_retried
+Says: A 4xx status says the request itself is wrong
 """
 
 import json

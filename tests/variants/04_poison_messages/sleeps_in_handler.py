@@ -1,6 +1,7 @@
 """Retries inside the handler, sleeping out each wait: every email behind the failing one waits too.
 
 Expect: fail line_keeps_moving
+Says: within one delivery
 """
 
 import json

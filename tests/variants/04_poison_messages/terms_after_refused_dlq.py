@@ -1,6 +1,7 @@
 """Ignores a refused dead letter and terms the email anyway.
 
 Expect: fail none_lost
+Says: refused its dead letter
 """
 
 import json

@@ -2,6 +2,7 @@
 
 An order a worker holds without acking is delivered, so the stuck order never counts.
 Expect: fail age_tracks_truth, not_fooled_by_depth
+Says: ack floor
 """
 
 

@@ -3,6 +3,7 @@
 The stream keeps acked orders (limits retention), so its first message is the first order ever
 placed: the age only grows, and the intake ends up refusing everything.
 Expect: fail age_tracks_truth, refuses_only_over_budget
+Says: limits retention
 """
 
 

@@ -3,6 +3,7 @@
 The stream also stores orders.cancelled, which the durable never delivers: with every order done,
 the first cancellation after the floor makes an empty queue look older and older.
 Expect: fail age_tracks_truth
+Says: orders.cancelled
 """
 
 

@@ -2,6 +2,8 @@
 
 The customer's request hangs for as long as the backlog lasts (the grader stops it after 3 s).
 Expect: fail refuses_over_budget
+Says: did not answer
+Says: at once
 """
 
 
