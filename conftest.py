@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,10 +21,61 @@ ROOT = Path(__file__).resolve().parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Checks run by tests and notebooks record their attempts in a throwaway folder, never the checkout's."""
+    """Checks run by tests and notebooks record their attempts in a throwaway folder, never the checkout's;
+    every grading run in a test process is counted."""
     import tempfile
 
     os.environ["MSGLAB_STATE_DIR"] = tempfile.mkdtemp(prefix="msglab-test-state-")
+    if not hasattr(config, "workerinput"):  # the controller: its xdist workers inherit the folder
+        os.environ[VERDICT_LOG] = tempfile.mkdtemp(prefix="msglab-test-verdicts-")
+    _count_grading_runs()
+
+
+VERDICT_LOG = "MSGLAB_TEST_VERDICTS"  # a folder: one file per test process, a line per test that graded
+_graded = [0]  # grading runs so far in this process (tests grade from threads: a lock guards it)
+_graded_lock = threading.Lock()
+
+
+def _count_grading_runs() -> None:
+    """Count each run of a lab's grader made in this process (a verdict of a file that imports: the
+    cost `make test` pays). Runs in subprocesses (`msglab check`, notebooks, class gradebooks) are not."""
+    from msglab.grading import grade as grading
+
+    real = grading._grade
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        with _graded_lock:
+            _graded[0] += 1
+        return await real(*args, **kwargs)
+
+    grading._grade = counted
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    before = _graded[0]
+    try:
+        return (yield)
+    finally:
+        if _graded[0] > before and os.environ.get(VERDICT_LOG):
+            with open(Path(os.environ[VERDICT_LOG]) / f"{os.getpid()}.tsv", "a") as log:
+                log.write(f"{item.nodeid}\t{_graded[0] - before}\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """How many grading runs the tests made, in all and by file (what a run of the suite costs)."""
+    folder = os.environ.get(VERDICT_LOG, "")
+    if hasattr(config, "workerinput") or not folder or not Path(folder).is_dir():
+        return
+    by_file: dict[str, int] = {}
+    for log in Path(folder).glob("*.tsv"):
+        for line in log.read_text().splitlines():
+            nodeid, count = line.rsplit("\t", 1)
+            name = nodeid.split("::")[0]
+            by_file[name] = by_file.get(name, 0) + int(count)
+    if by_file:
+        files = ", ".join(f"{name} {n}" for name, n in sorted(by_file.items(), key=lambda kv: -kv[1]))
+        terminalreporter.write_line(f"grading runs in test processes: {sum(by_file.values())} ({files})")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -39,6 +92,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     import shutil
 
     shutil.rmtree(os.environ.get("MSGLAB_STATE_DIR", ""), ignore_errors=True)
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.get(VERDICT_LOG, ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
