@@ -187,6 +187,17 @@ class Shop:
         from msglab.broker import connect, delete_stream
 
         nc = await connect(name="lesson06-shop")
+        version = nc.connected_server_version
+        if (version.major, version.minor) < (2, 10):  # subject transforms on streams came in 2.10
+            from msglab.broker import masked, server_url
+            from msglab.errors import ServerError
+
+            await nc.close()
+            raise ServerError(
+                f"lesson 06 needs nats-server 2.10 or later (a stream's subject transform partitions the events); "
+                f"the server at {masked(server_url())} is {version}",
+                hint="unset NATS_URL to use the course's own server (2.15.1), or upgrade yours",
+            )
         js = nc.jetstream()
         for name in STREAMS:
             await delete_stream(js, name)  # in case an earlier run stopped halfway
