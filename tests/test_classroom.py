@@ -58,7 +58,8 @@ def test_learner_names_and_the_generated_config() -> None:
         account = config["accounts"][name]
         assert account["jetstream"] == {"max_mem": 2 * MIB, "max_file": 4 * MIB, "max_streams": 12,
                                         "max_consumers": 16}  # fmt: skip
-        assert set(account) == {"jetstream", "users"}, "no exports or imports between learner accounts"
+        assert account["limits"] == {"max_connections": 32}
+        assert set(account) == {"jetstream", "limits", "users"}, "no exports or imports between learner accounts"
     assert config["jetstream"] == {"max_mem": 4 * MIB, "max_file": 8 * MIB}  # every account's limits fit
     assert config["http"] == "127.0.0.1:8222"  # monitoring stays on the instructor's machine
 
@@ -397,7 +398,7 @@ def test_the_serve_command_prints_what_to_hand_out_and_stops_on_ctrl_c(tmp_path:
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     proc = subprocess.Popen(
         [sys.executable, "-c", CLI_DRIVER, "classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "room"),
-         "--host", "127.0.0.1", "--port", "0", "--monitor-port", "0"],
+         "--local", "--port", "0", "--monitor-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -422,3 +423,60 @@ def test_the_serve_command_prints_what_to_hand_out_and_stops_on_ctrl_c(tmp_path:
         assert "account_details" in json.loads(answer.read())
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
+
+
+# --- what is handed out, and how much one learner may take ---------------------------------------
+
+
+def test_a_learner_opening_one_connection_too_many_is_refused_and_nobody_else_notices(tmp_path: Path) -> None:
+    limits = Limits(max_mem=2 * MIB, max_file=4 * MIB, max_connections=3)
+    classroom = Classroom.create(tmp_path / "room", ["alice", "bob"], limits=limits, host="127.0.0.1", port=0,
+                                 monitor_port=0)  # fmt: skip
+    server = start(classroom)
+
+    async def flood() -> tuple[int, str, bool]:
+        opened, refused = [], ""
+        for _ in range(limits.max_connections + 1):
+            try:
+                opened.append(await nats.connect(classroom.local_url("alice"), allow_reconnect=False,
+                                                 connect_timeout=5))  # fmt: skip
+            except Exception as exc:  # nats-py raises its own Error with the server's -ERR text
+                refused = str(exc)
+        bob = await nats.connect(classroom.local_url("bob"), allow_reconnect=False, connect_timeout=5)
+        bob_works = (await bob.jetstream().account_info()) is not None
+        for nc in [*opened, bob]:
+            await nc.close()
+        return len(opened), refused, bob_works
+
+    try:
+        opened, refused, bob_works = asyncio.run(flood())
+    finally:
+        server.stop()
+    assert opened == 3 and "maximum account active connections exceeded" in refused, (opened, refused)
+    assert bob_works
+
+
+def test_the_handout_names_an_address_learners_laptops_reach(tmp_path: Path) -> None:
+    from msglab.classroom.server import advertised, machine_addresses
+
+    for loopback in ("127.0.0.1", "localhost", "::1"):
+        with pytest.raises(ClassroomError, match="loopback"):
+            advertised(loopback)
+    with pytest.raises(ClassroomError, match="does not resolve"):
+        advertised("no-such-room-host.invalid")
+    with pytest.raises(ClassroomError, match="--advertise ADDRESS") as raised:
+        advertised("")
+    assert all(address in str(raised.value) for address in machine_addresses())
+    assert advertised("", local=True) == "127.0.0.1" and advertised("localhost", local=True) == "localhost"
+    # 192.0.2.0/24 is documentation space: never connected to here, only written into the handouts.
+    room = Classroom.create(tmp_path / "room", ["alice"], host="127.0.0.1", port=0, monitor_port=0,
+                            advertise=advertised("192.0.2.10"))  # fmt: skip
+    server = start(room)
+    try:
+        handout = (tmp_path / "room" / "learners" / "alice.txt").read_text()
+    finally:
+        server.stop()
+    assert f"@192.0.2.10:{room.bound_port}" in handout and "127.0.0.1" not in handout
+    done = cli(["classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "nowhere"), "--port", "0"])
+    assert done.returncode == 2 and "--advertise ADDRESS" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "nowhere").exists(), "nothing is written before the address is known"

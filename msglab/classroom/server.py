@@ -6,6 +6,7 @@ The generated config (JSON, which nats-server reads as its own config syntax):
     accounts {
       SYS:   { users: [ {user: instructor, password: ...} ] }          # monitoring, `classroom status`
       alice: { jetstream: {max_mem, max_file, max_streams, max_consumers},
+               limits: {max_connections},                          # a learner's code cannot flood the room
                users: [ {user: alice, password: ...} ] }               # one per learner
     }
     jetstream { max_mem, max_file }     # the learners' limits added up: every account's limits fit
@@ -16,7 +17,13 @@ a namespace of its own, so a learner's streams, consumers, subjects and reply in
 invisible to every other learner, and a lesson's fixed names (ORDERS, orders.placed) collide
 with nobody's; the config has no exports or imports between learner accounts. JetStream limits
 are per account (`max_consumers` per stream, as nats-server applies it): a learner over their
-storage gets "resource limits exceeded for account" on publish, and nobody else notices.
+storage gets "resource limits exceeded for account" on publish, and nobody else notices; a learner
+over `max_connections` gets "maximum account active connections exceeded" when connecting, and
+nobody else notices either.
+
+The address handed out is one learners' laptops can reach: `--advertise` (an address of this
+machine on the room's network: `serve` lists them when it is missing), never a loopback address or
+a name that does not resolve, unless `--local` (a room on this one machine).
 
 The folder (default ./classroom, mode 0700) keeps everything: classroom.json (passwords, limits,
 where the server listens), server.conf, learners/<name>.txt and handout.csv (what to hand out),
@@ -26,12 +33,15 @@ password, so details handed out stay valid.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,10 +70,18 @@ class Limits:
     max_file: int = 512 * MIB  # bytes of file-storage streams
     max_streams: int = 32
     max_consumers: int = 64  # per stream: nats-server applies the account's max_consumers to each stream
+    # A lesson's kernel, `msglab check` (the grader, 3-4 learner processes, the course's services) and a
+    # lab notebook at once stay well under 32; a loop opening connections does not.
+    max_connections: int = 32
 
     def describe(self) -> str:
         return (f"{self.max_mem // MIB} MiB memory, {self.max_file // MIB} MiB file storage, "
-                f"{self.max_streams} streams, {self.max_consumers} consumers per stream")  # fmt: skip
+                f"{self.max_streams} streams, {self.max_consumers} consumers per stream, "
+                f"{self.max_connections} connections")  # fmt: skip
+
+    def jetstream(self) -> dict[str, int]:
+        return {"max_mem": self.max_mem, "max_file": self.max_file, "max_streams": self.max_streams,
+                "max_consumers": self.max_consumers}  # fmt: skip
 
 
 def learner_names(spec: str) -> list[str]:
@@ -97,16 +115,47 @@ def learner_names(spec: str) -> list[str]:
 
 
 def room_address() -> str:
-    """This machine's address as others in the room would use it (no packet is sent to find it)."""
-    try:
-        host = socket.gethostname()
-        for family, _, _, _, address in socket.getaddrinfo(host, None, socket.AF_INET):
-            ip = str(address[0])
-            if family == socket.AF_INET and not ip.startswith("127."):
-                return ip
-        return host
-    except OSError:
+    """This machine's first non-loopback address (no packet is sent to find it), or 127.0.0.1."""
+    found = machine_addresses()
+    return found[0] if found else "127.0.0.1"
+
+
+def machine_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 addresses: the ones a room's laptops may reach it at."""
+    found: list[str] = []
+    try:  # Linux: every interface's address (iproute2)
+        done = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=5)
+        found += [m.group(1) for m in re.finditer(r"\binet (\d+\.\d+\.\d+\.\d+)/", done.stdout)]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    with contextlib.suppress(OSError):  # elsewhere: what this machine's name resolves to
+        found += [str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    return list(dict.fromkeys(ip for ip in found if not ipaddress.ip_address(ip).is_loopback))
+
+
+def advertised(advertise: str, *, local: bool = False) -> str:
+    """The address handed out to learners, checked: reachable from their laptops, or `local` (this machine only)."""
+    if local and not advertise:
         return "127.0.0.1"
+    listed = ", ".join(machine_addresses()) or "none found"
+    if not advertise:
+        raise ClassroomError(
+            f"say which address learners' laptops reach this machine at: --advertise ADDRESS "
+            f"(this machine's addresses: {listed})",
+            hint="or --local for a room on this machine only",
+        )
+    try:
+        resolved = {str(a[4][0]) for a in socket.getaddrinfo(advertise.strip("[]"), None)}
+    except OSError as exc:
+        raise ClassroomError(f"--advertise {advertise}: the name does not resolve ({exc.strerror or exc})",
+                             hint=f"give an address instead (this machine's: {listed})") from exc  # fmt: skip
+    if not local and all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in resolved):
+        raise ClassroomError(
+            f"--advertise {advertise} is this machine's loopback ({', '.join(sorted(resolved))}): a learner's "
+            "laptop would connect to itself",
+            hint=f"advertise an address of this machine on the room's network ({listed}), or --local",
+        )
+    return advertise
 
 
 @dataclass
@@ -163,10 +212,11 @@ class Classroom:
     # --- the server's config ------------------------------------------------------------------------
 
     def config(self) -> dict[str, Any]:
-        limits = asdict(self.limits)
+        connections = self.limits.max_connections
         accounts: dict[str, Any] = {SYSTEM: {"users": [{"user": INSTRUCTOR, "password": self.instructor_password}]}}
         for name, password in self.learners.items():
-            accounts[name] = {"jetstream": dict(limits), "users": [{"user": name, "password": password}]}
+            accounts[name] = {"jetstream": self.limits.jetstream(), "limits": {"max_connections": connections},
+                              "users": [{"user": name, "password": password}]}  # fmt: skip
         count = len(self.learners)
         return {
             "server_name": "msglab-classroom",
