@@ -145,3 +145,35 @@ def test_a_layout_that_is_not_understood_stops_with_one_clear_line(tmp_path: Pat
         lines = [line for line in done.stderr.splitlines() if line.startswith("msglab:")]
         assert len(lines) == 1 and said in lines[0], done.stderr
         assert "Traceback" not in done.stderr and not (tmp_path / "out" / "gradebook.csv").exists()
+
+
+def test_a_class_from_gradescopes_export_gets_a_wide_gradebook_with_its_people_and_a_kept_salt(
+    tmp_path: Path, no_nats_url: None
+) -> None:
+    import csv
+    import io
+    import json
+
+    from msglab.classroom.gradebook import grade_class, seed_for
+
+    two = find_lab("02")
+    files = {f"submission_91817/{two.file}": two.source(solution=True).read_bytes(),
+             f"submission_91820/{two.name}/{two.file}": two.source().read_bytes() + b"# done\n"}  # fmt: skip
+    export = gradescope_zip(tmp_path / "export.zip", files=files)
+    log = io.StringIO()  # not a terminal: progress comes as plain lines
+    result = grade_class(export, labs=[two], out=tmp_path / "out", jobs=2, stream=log)
+    assert not result.errors and len(result.salt) == 12, result.salt
+    assert "grading: 2/2 verdicts in" in log.getvalue()
+    with open(tmp_path / "out" / "grades.csv", newline="") as handle:
+        wide = {row["learner"]: row for row in csv.DictReader(handle)}
+    ann, group = wide["1001"], wide["1002+1003"]
+    assert (ann["name"], ann["sid"], ann["email"]) == ("Ann Lee", "1001", "ann@example.edu")
+    assert group["name"] == "Bo Chen; Cy Diaz" and group["email"] == "bo@example.edu; cy@example.edu"
+    assert ann["lab 02"] == ann["total"] == ann["max"] and float(ann["total"]) > 0
+    assert group["lab 02"] == group["total"] == "0", "the starter with a comment added earns nothing"
+    saved = json.loads((tmp_path / "out" / "grading.json").read_text())
+    assert saved["salt"] == result.salt and result.salt in (tmp_path / "out" / "summary.txt").read_text()
+    rows = {row.learner: row for row in result.rows}
+    assert rows["1001"].seed == seed_for("1001", two.name, result.salt)
+    again = grade_class(export, labs=[two], out=tmp_path / "out", jobs=1, progress=False, learners=["1001"])
+    assert again.salt == result.salt and again.rows[0].seed == rows["1001"].seed, "the same --out keeps its salt"

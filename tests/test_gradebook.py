@@ -217,7 +217,8 @@ def test_a_generated_class_is_graded_end_to_end_with_the_right_scores(course: Pa
     assert (out / "summary.txt").read_text().startswith("graded 6 learners x 2 labs")
 
     # A regrade reproduces the verdicts exactly: same seeds, same checks failed, same scores.
-    again = grade_class(tmp_path / "class", out=tmp_path / "again", jobs=2, progress=False, learners=[wrong.learner])
+    again = grade_class(tmp_path / "class", out=tmp_path / "again", jobs=2, progress=False, learners=[wrong.learner],
+                        salt=result.salt)  # fmt: skip
     for row in again.rows:
         first = rows[(row.learner, row.lab.name)]
         assert (row.seed, row.result and row.result.score, row.result and row.result.failed) == (

@@ -149,7 +149,8 @@ def register(subparsers: Any) -> None:
         "--out", default="grades", help="where the gradebook, feedback and verdicts go (default: grades)"
     )
     grade.add_argument("--jobs", type=int, default=None, help="verdicts graded at once (default: one per core)")
-    grade.add_argument("--salt", default="", help="mixed into every seed: learners cannot predict their faults")
+    grade.add_argument("--salt", default=None, help="mixed into every seed (default: the salt saved in --out, or a "
+                       "new random one): learners cannot replay their graded faults")  # fmt: skip
     grade.add_argument("--learners", help="grade only these learners (comma-separated ids)")
     grade.add_argument("--no-progress", action="store_true", help="no progress bar")
     grade.add_argument("--assignment", help="GitHub Classroom: the repositories' name prefix (default: found)")

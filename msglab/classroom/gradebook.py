@@ -9,8 +9,14 @@ msglab.classroom.submissions); lab.toml, the graders and everything else are the
 Jobs run on worker processes (msglab.classroom.worker) that import the graders once; each verdict's CPU (the
 worker's, the server's, the learner processes') is measured in the worker.
 
+Seeds are salted: a random salt by default, so learners cannot replay their graded faults before
+the deadline, written to OUT/grading.json and printed; grading into the same OUT again reuses it.
+
 Written to OUT:
     gradebook.csv              learner, lab, score, max, passed, failed, seed, seconds, status, note
+    grades.csv                 one row per learner: name, sid, email (when the export has them), a column
+                               per lab, the total and the maximum
+    grading.json               the salt, the labs, when
     feedback/<learner>.txt     every lab's verdict as text, with the command that replays it
     verdicts/<learner>/<lab>.json  the score and the verdict as JSON
     summary.txt                what the screen showed at the end
@@ -25,6 +31,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import select
 import shutil
 import subprocess
@@ -39,7 +46,7 @@ from typing import Any, TextIO
 
 from msglab.catalog import Lab, all_labs, course_root, find_lab
 from msglab.classroom.points import LabPoints, Score, lab_points, number, same_code, score
-from msglab.classroom.submissions import Found, read_submissions
+from msglab.classroom.submissions import Found, Person, read_submissions
 from msglab.errors import GraderError, MsglabError
 from msglab.grading.verdict import Verdict
 
@@ -104,6 +111,8 @@ class ClassResult:
     seconds: float
     notes: list[str] = field(default_factory=list)
     startup_cpu: float = 0.0  # CPU the workers spent starting (Python, the graders' imports), once per job
+    salt: str = ""
+    people: dict[str, list[Person]] = field(default_factory=dict)  # learner -> submitters, when the export says
 
     @property
     def graded(self) -> list[Row]:
@@ -160,7 +169,7 @@ def grade_class(
     labs: list[Lab] | None = None,
     out: Path,
     jobs: int | None = None,
-    salt: str = "",
+    salt: str | None = None,
     learners: list[str] | None = None,
     progress: bool = True,
     stream: TextIO | None = None,
@@ -169,7 +178,9 @@ def grade_class(
     """Grade every learner's every lab in `submissions`; write the gradebook, feedback and verdicts to `out`.
 
     assignment: GitHub Classroom's repository prefix (default: found from the repositories' names).
+    salt: mixed into every seed; None: the one in OUT/grading.json, or a new random one.
     """
+    salt = salt if salt is not None else _saved_salt(out) or secrets.token_hex(6)
     stream = stream or sys.stderr
     started = time.perf_counter()
     labs = labs or all_labs()
@@ -203,9 +214,16 @@ def grade_class(
         startup = _run(pending, points, jobs, progress, stream, out / "workers.log")
     finally:
         shutil.rmtree(stage_root, ignore_errors=True)
-    result = ClassResult(rows, out, jobs, time.perf_counter() - started, found.notes, startup)
+    result = ClassResult(rows, out, jobs, time.perf_counter() - started, found.notes, startup, salt, found.people)
     write_outputs(result, points)
     return result
+
+
+def _saved_salt(out: Path) -> str:
+    try:
+        return str(json.loads((out / "grading.json").read_text())["salt"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _run(pending: list[tuple[Row, Path, bool]], points: dict[str, LabPoints], jobs: int, progress: bool,
@@ -215,9 +233,11 @@ def _run(pending: list[tuple[Row, Path, bool]], points: dict[str, LabPoints], jo
         return 0.0
     from tqdm import tqdm
 
-    # disable=None: a bar on a terminal, none in a log file; disable=True: none at all.
-    bar = tqdm(total=len(pending), unit="verdict", desc="grading", file=stream, disable=None if progress else True,
+    # A bar on a terminal; in a log file (CI, nohup) a line each tenth of the way, or every 30 s.
+    terminal = progress and stream.isatty()
+    bar = tqdm(total=len(pending), unit="verdict", desc="grading", file=stream, disable=not terminal,
                dynamic_ncols=True)  # fmt: skip
+    started, said, count = time.monotonic(), time.monotonic(), 0
     tasks: queue.Queue[int] = queue.Queue()
     for index in range(len(pending)):
         tasks.put(index)
@@ -237,6 +257,15 @@ def _run(pending: list[tuple[Row, Path, bool]], points: dict[str, LabPoints], jo
             if row.status == "grader error":
                 bar.write(f"grader error: {row.learner} lab {row.lab.number}: {row.result.note if row.result else ''}")
             bar.update(1)
+            count += 1
+            step = max(1, len(pending) // 10)
+            if (
+                progress
+                and not terminal
+                and (count % step == 0 or count == len(pending) or time.monotonic() - said > 30)
+            ):
+                said = time.monotonic()
+                print(f"grading: {count}/{len(pending)} verdicts in {said - started:.0f} s", file=stream, flush=True)
         for thread in threads:
             thread.join()
     bar.close()
@@ -358,6 +387,30 @@ def write_outputs(result: ClassResult, points: dict[str, LabPoints]) -> None:
         for row in rows:
             (folder / f"{row.lab.name}.json").write_text(json.dumps(verdict_record(row), indent=2) + "\n")
     (out / "summary.txt").write_text(summary_text(result) + "\n", encoding="utf-8")
+    write_wide(result, out / "grades.csv")
+    (out / "grading.json").write_text(json.dumps({
+        "salt": result.salt, "labs": sorted({row.lab.name for row in result.rows}),
+        "graded": datetime.now().isoformat(timespec="seconds"),
+    }, indent=2) + "\n")  # fmt: skip
+
+
+def write_wide(result: ClassResult, path: Path) -> None:
+    """One row per learner: who (when the export says), a column per lab, the total and the maximum."""
+    labs = sorted({row.lab.number for row in result.rows})
+    by_learner: dict[str, dict[str, Row]] = {}
+    for row in result.rows:
+        by_learner.setdefault(row.learner, {})[row.lab.number] = row
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["learner", "name", "sid", "email", *(f"lab {n}" for n in labs), "total", "max"])
+        for learner, rows in by_learner.items():
+            people = result.people.get(learner, [])
+            scores = [rows[n].result if n in rows else None for n in labs]
+            total = sum((s.score or 0.0) for s in scores if s is not None)
+            maximum = sum(s.maximum for s in scores if s is not None)
+            writer.writerow([learner, "; ".join(p.name for p in people), "; ".join(p.sid for p in people),
+                             "; ".join(p.email for p in people), *(number(s.score) if s else "" for s in scores),
+                             number(total), number(maximum)])  # fmt: skip
 
 
 def verdict_record(row: Row) -> dict[str, Any]:
@@ -401,8 +454,10 @@ def feedback_text(learner: str, rows: list[Row]) -> str:
                       "  your instructor will grade it again", ""]  # fmt: skip
             continue
         if result.status == "starter":
-            lines.append(f"  {row.lab.file} runs the starter's code as handed out (comments and layout aside): "
-                         "nothing was changed yet")
+            lines.append(
+                f"  {row.lab.file} runs the starter's code as handed out (comments and layout aside): "
+                "nothing was changed yet"
+            )
         elif result.note:
             lines.append(f"  {result.note}")
         assert row.verdict is not None
@@ -441,7 +496,10 @@ def summary_text(result: ClassResult) -> str:
     lines += [f"  note: {note}" for note in result.notes]
     lines += [
         "",
+        f"salt:      {result.salt} (saved in {result.out / 'grading.json'}; grading into the same --out reuses it, "
+        f"or pass --salt {result.salt})",
         f"gradebook: {result.out / 'gradebook.csv'}",
+        f"grades:    {result.out / 'grades.csv'} (one row per learner, a column per lab)",
         f"feedback:  {result.out / 'feedback'}/ (one file per learner)",
         f"verdicts:  {result.out / 'verdicts'}/ (JSON per verdict)",
     ]
