@@ -58,8 +58,11 @@ from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import BrokerWatch
 from msglab.grading.rules import an, how_ended, plural
-from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, held
+from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held
 from msglab.grading.verdict import Check
+from msglab.world.invoicing import AccountClosed, Invoicing, InvoicingError, ServiceUnavailable
+from msglab.world.invoicing import closed_text as _closed_text
+from msglab.world.invoicing import unavailable_text as _unavailable_text
 
 if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
     from msglab.grading.effects import Event
@@ -116,28 +119,6 @@ ANSWERS = {
 }
 
 
-# The invoicing service's errors. Learners see these (help(env.AccountClosed)): their docstrings
-# say what happened, never whether a retry helps: that judgement is the lab's decision.
-class InvoicingError(Exception):
-    """The invoicing service did not issue the invoice."""
-
-
-class ServiceUnavailable(InvoicingError):
-    """The invoicing service answered that it is unavailable."""
-
-
-class AccountClosed(InvoicingError):
-    """The invoicing service answered that the customer's account is closed."""
-
-
-def _unavailable_text(key: str) -> str:
-    return f"the invoicing service is restarting (deploy in progress); invoice for {key} not issued, try again shortly"
-
-
-def _closed_text(key: str, customer: str) -> str:
-    return f"customer {customer} has closed their account; no invoice can be issued for order {key}"
-
-
 # --- what runs inside the learner's processes ------------------------------------------------
 
 
@@ -190,14 +171,12 @@ async def playground(env: Any) -> None:
     """
     await TOPOLOGY.provision(env.js, env.names)
     _add_errors(env)
-    first_try: dict[str, float] = {}
+    service = Invoicing()
 
     async def send_invoice(order_id: str) -> None:
         key = str(order_id)
-        if key.endswith("4"):
-            raise AccountClosed(_closed_text(key, "c-" + key.split("-")[-1].rjust(4, "0")))
-        if key.endswith("3") and time.monotonic() < first_try.setdefault(key, time.monotonic()) + 0.6:
-            raise ServiceUnavailable(_unavailable_text(key))
+        kind = "refused" if key.endswith("4") else "transient" if key.endswith("3") else "normal"
+        service.attempt(key, kind, customer="c-" + key.split("-")[-1].rjust(4, "0"), outage=0.6)
         print(f"invoice sent for {key}")
 
     env.send_invoice = send_invoice
@@ -283,11 +262,10 @@ class Billing:
         self.watch = watch
         self.plan = plan
         self.requests: dict[str, Request] = {}
-        self.first_attempt: dict[str, float] = {}
-        self.tries: dict[str, int] = {}  # attempts per transient request
+        self.service = Invoicing(min_tries=UNAVAILABLE_TRIES)  # the invoicing service the grader answers for
         self.guarantees: list[Any] = []
-        self.ended: dict[int, float] = {}  # pid -> when the process was seen to end (crash time for a crash)
         self.spawns = HeldSpawns(run, "invoice_worker", plan.faults, MAX_WORKERS)
+        self.ended = self.spawns.ended  # pid -> when the process was seen to end (crash time for a crash)
         self.workers: list[Child] = self.spawns.released  # released, in order
         self.outages = list(plan.outages)
         self.early_confirmed = False  # a report proven to have come before its ack
@@ -320,16 +298,13 @@ class Billing:
         from msglab.grading.harness import Refuse
 
         request = self.requests.get(key or "")
-        now = time.time()
-        if request is not None and request.kind == "refused":
-            self.run.record_effect(child, "send_invoice", key, outcome="refused", call=call)
-            raise Refuse("AccountClosed", _closed_text(request.key, request.customer))
-        if request is not None and request.kind == "transient":
-            start = self.first_attempt.setdefault(request.key, now)
-            self.tries[request.key] = tries = self.tries.get(request.key, 0) + 1
-            if now < start + request.outage or tries <= UNAVAILABLE_TRIES:
-                self.run.record_effect(child, "send_invoice", key, outcome="unavailable", call=call)
-                raise Refuse("ServiceUnavailable", _unavailable_text(request.key))
+        try:
+            if request is not None:
+                self.service.attempt(request.key, request.kind, request.customer, request.outage, time.time())
+        except (AccountClosed, ServiceUnavailable) as refused:
+            outcome = "refused" if isinstance(refused, AccountClosed) else "unavailable"
+            self.run.record_effect(child, "send_invoice", key, outcome=outcome, call=call)
+            raise Refuse(type(refused).__name__, str(refused)) from None
         self.run.record_effect(child, "send_invoice", key, outcome="sent", call=call)
 
     async def on_quiet(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
@@ -429,21 +404,7 @@ class Billing:
                 return crash
         return None
 
-    def note_end(self, child: Child) -> None:
-        if child.pid in self.ended or child.alive:
-            return
-        crash = next((e for e in self.crashes() if e.pid == child.pid), None)
-        self.ended[child.pid] = crash.ts if crash else time.time()
-
     # --- the phases' waits -----------------------------------------------------------------------
-
-    async def stop(self, child: Child) -> None:
-        """Stop a worker whose turn is over; one that raised or returned is let to exit by itself (rule 3 sees it)."""
-        if child.died is not None or child.returned:
-            await child.wait_exit(2.0)
-        if child.alive:
-            await child.kill()
-        self.note_end(child)
 
     async def run_until_drained(self) -> Child | None:
         """Release workers one after another (one that dies is replaced) until the durable is drained, or
@@ -453,9 +414,9 @@ class Billing:
         while current is not None:
             until = functools.partial(self._ended_or_finished, current)
             await self.run.wait_for(until, max(0.0, deadline - time.monotonic()))
-            if not _ended(current) or time.monotonic() >= deadline:
+            if not gone(current) or time.monotonic() >= deadline:
                 break
-            await self.stop(current)
+            await self.spawns.stop(current)
             current = await self.spawns.release()  # also when all is done
         return current
 
@@ -469,7 +430,7 @@ class Billing:
             since = idle_since
 
             def proof(child: Child = child, since: float = since) -> bool:
-                return self.watch.refetched_after_idle(since) is not None or _ended(child)
+                return self.watch.refetched_after_idle(since) is not None or gone(child)
 
             await self.run.wait_for(proof, IDLE_DEADLINE)
             refetch = self.watch.refetched_after_idle(idle_since)
@@ -477,16 +438,14 @@ class Billing:
                 break
             # It died of the last request's refusal just as the queue ran dry (rule 3 fails it for
             # that): rule 2 is about surviving an empty queue, so it is judged on the next worker.
-            await self.stop(child)
+            await self.spawns.stop(child)
             current = await self.spawns.release()
             idle_since = time.time()
         return current, idle_since, refetch
 
     def late_done(self, child: Child, late: str) -> bool:
         seq = self.requests[late].seq
-        return _ended(child) or bool(
-            self.invoices(late) and self.watch.settled_on_broker(seq) and not self.reports_due()
-        )
+        return gone(child) or bool(self.invoices(late) and self.watch.settled_on_broker(seq) and not self.reports_due())
 
     def reports_due(self) -> bool:
         """A live worker sent an invoice whose env.settled has not arrived yet: it may be on its way."""
@@ -498,7 +457,7 @@ class Billing:
         return any(e.name == "send_invoice" and e.pid in alive for e in last.values())
 
     async def _ended_or_finished(self, child: Child) -> bool:
-        return _ended(child) or await self.finished()
+        return gone(child) or await self.finished()
 
     async def finished(self) -> bool:
         """Drained (and the reports in, or their grace over), or stalled; notes when it was first drained."""
@@ -572,8 +531,8 @@ async def grade(run: Run) -> list[Check]:
                 await lab.publish(["normal"] * FRESH)
                 child = await lab.spawns.release()
                 assert child is not None
-                await run.wait_for(functools.partial(_ended, child), CRASH_DEADLINE)
-                await lab.stop(child)
+                await run.wait_for(functools.partial(gone, child), CRASH_DEADLINE)
+                await lab.spawns.stop(child)
         async with phase("last incarnation"):  # the requests the service has trouble with, until drained
             await lab.publish(plan.final)
             current = await lab.run_until_drained()
@@ -588,10 +547,7 @@ async def grade(run: Run) -> list[Check]:
                 await run.wait_for(functools.partial(lab.late_done, current, late), LATE_DEADLINE)
     finally:
         await lab.spawns.cancel()
-    for child in lab.workers:
-        if child.died is not None or child.returned:
-            await child.wait_exit(2.0)  # so the platform's rule-3 check sees it ended on its own
-        lab.note_end(child)
+    await lab.spawns.settle()  # so the platform's rule-3 check sees a process that ended on its own
     proof = rules.IdleProof(late, late_at, idle_since, bool(lab.drained_at), refetch, IDLE_DEADLINE, LATE_DEADLINE)
     handled_by = [e.pid for e in lab.invoices(late)]
     return [
@@ -612,10 +568,6 @@ IDLE_WORDS = rules.IdleWords(
     hint_slow="keep fetching from the durable and invoice each request as it comes",
     failures=SERVICE_ERRORS,
 )
-
-
-def _ended(child: Child) -> bool:
-    return not child.alive or child.died is not None or child.returned
 
 
 # --- the checks ---------------------------------------------------------------------------------
@@ -901,24 +853,13 @@ def _refused_check(lab: Billing) -> Check:
 
 
 def _acked_check(lab: Billing, info: Any) -> Check:
-    title = "every request ends acked (or terminated) on the durable 'invoicer' (nothing stuck)"
-    pending, unacked = info.num_pending, info.num_ack_pending
-    if pending == 0 and unacked == 0:
-        return Check("all_acked", title, True)
     stuck = [r.key for r in lab.requests.values() if r.kind != "late" and lab.watch.settled_on_broker(r.seq) is None]
-    message = (
-        f"the durable 'invoicer' still has {pending} undelivered and {unacked} delivered-but-unacked messages"
-        f" ({info.num_redelivered} redelivered) at the end of the run"
-        + (f": {', '.join(stuck[:6])}{' ...' if len(stuck) > 6 else ''}." if stuck else ".")
-        + f" Without an ack the broker delivers a request again every {ACK_WAIT:.1f} s, forever."
-    )
     refused = [k for k in stuck if lab.requests[k].kind == "refused"]
+    hint = "ack each request once its invoice went out, on the durable env.durable('invoicer')"
     if refused and len(stuck) == len(refused):
         hint = f"{refused[0]} can never be invoiced: once it is reported, ack or term it so it stops coming back"
-    else:
-        hint = "ack each request once its invoice went out, on the durable env.durable('invoicer')"
-    key = stuck[0] if stuck else ""
-    return Check("all_acked", title, False, message, trace=lab.trace(key) if key else [], hint=hint)
+    trace = lab.trace(stuck[0]) if stuck else []
+    return rules.drained_check(info, DURABLE, ACK_WAIT, noun="request", stuck=stuck, hint=hint, trace=trace)
 
 
 def _guarantees_check(lab: Billing) -> Check:

@@ -11,7 +11,12 @@ Optional, by name (found with getattr, so they are checked by `problems` instead
     def ops_<name>(env, learner) -> dict            a service role: coroutines the grader calls one at a time
     PARAMS: dict[str, Any]                         what env carries besides connections and names
     STREAM: str / STREAMS: tuple[str, ...]          every stream it creates (a shared server allows only these)
+    DURABLE: str / DURABLES: tuple[str, ...]        the platform's durables (learner code may only read, fetch, ack)
+    LEARNER_SUBJECTS: list[str]                    ordinary subjects learner code may publish and subscribe on
     LEARNER_DENY_PUBLISH: list[str]                subjects only course services may publish on
+
+msglab.broker.users reads these to set the learner's permissions: a lab's Topology gives STREAM and
+DURABLE (`STREAM, DURABLE = TOPOLOGY.stream, TOPOLOGY.durable`).
 
 tests/test_platform.py holds every grader of the catalogue (and the example lab's) to it.
 """
@@ -69,12 +74,16 @@ def problems(module: ModuleType) -> list[str]:
         found.append(f"{name} has no role_<name> or ops_<name>: no learner code would ever run")
     if not isinstance(getattr(module, "PARAMS", {}), dict):
         found.append(f"{name}.PARAMS is not a dict")
-    if not isinstance(getattr(module, "STREAM", ""), str):
-        found.append(f"{name}.STREAM is not a str")
-    streams = getattr(module, "STREAMS", ())
-    if not isinstance(streams, tuple | list) or not all(isinstance(s, str) for s in streams):
-        found.append(f"{name}.STREAMS is not a sequence of names")
-    deny = getattr(module, "LEARNER_DENY_PUBLISH", [])
-    if not isinstance(deny, list | tuple) or not all(isinstance(s, str) for s in deny):
-        found.append(f"{name}.LEARNER_DENY_PUBLISH is not a list of subjects")
+    for one, many in (("STREAM", "STREAMS"), ("DURABLE", "DURABLES")):
+        if not isinstance(getattr(module, one, ""), str):
+            found.append(f"{name}.{one} is not a str")
+        if not _names(getattr(module, many, ())):
+            found.append(f"{name}.{many} is not a sequence of names")
+    for subjects in ("LEARNER_SUBJECTS", "LEARNER_DENY_PUBLISH"):
+        if not _names(getattr(module, subjects, [])):
+            found.append(f"{name}.{subjects} is not a list of subjects")
     return found
+
+
+def _names(value: object) -> bool:
+    return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)

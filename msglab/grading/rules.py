@@ -248,3 +248,35 @@ def allowance(ended: dict[int, float], effects: Iterable[Any], watch: BrokerWatc
 def drained(info: Any) -> bool:
     """The durable's consumer_info shows nothing undelivered and nothing delivered-but-unacked."""
     return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
+ALL_ACKED = "all_acked"
+
+
+def drained_check(
+    info: Any,
+    durable: str,
+    ack_wait: float,
+    *,
+    noun: str = "message",
+    stuck: list[str] | None = None,
+    title: str = "",
+    hint: str = "",
+    trace: list[str] | None = None,
+) -> Check:
+    """ "The durable is drained" as a check (`all_acked`): nothing undelivered or unacked at the run's end.
+
+    `info` is the durable's consumer_info then; `stuck` names what the lab knows is unsettled.
+    """
+    title = title or f"every {noun} ends acked (or terminated) on the durable '{durable}' (nothing stuck)"
+    if drained(info):
+        return Check(ALL_ACKED, title, True)
+    stuck = stuck or []
+    message = (
+        f"the durable '{durable}' still has {info.num_pending} undelivered and {info.num_ack_pending}"
+        f" delivered-but-unacked messages ({info.num_redelivered} redelivered) at the end of the run"
+        + (f": {', '.join(stuck[:6])}{' ...' if len(stuck) > 6 else ''}." if stuck else ".")
+        + f" Without an ack the broker delivers {an(noun)} again every {ack_wait:.1f} s, forever."
+    )
+    hint = hint or f"ack each {noun} once its work is done, on the durable env.durable('{durable}')"
+    return Check(ALL_ACKED, title, False, message, trace=trace or [], hint=hint)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,11 @@ class Topology:
         return int(ack.seq)
 
 
+def gone(child: Child) -> bool:
+    """The process ended, or is ending on its own (it raised or returned: the exit is on its way)."""
+    return not child.alive or child.died is not None or child.returned
+
+
 def held(env: Any) -> None:
     """In the learner's process: block until the grader releases this process (see HeldSpawns)."""
     env.world.call(HELD)
@@ -80,12 +86,14 @@ class HeldSpawns:
 
     The role function calls `held(env)` before the learner's code; `release()` answers that call.
     `faults(n)` gives the n-th process's crash plan (0-based); at most `limit` processes in all.
+    `ended` maps each stopped process to when it ended (its crash's time, for a crash): rule 6's evidence.
     """
 
     def __init__(self, run: Run, role: str, faults: Callable[[int], list[Crash]], limit: int) -> None:
         self.run, self.role, self.faults, self.limit = run, role, faults, limit
         self.released: list[Child] = []
         self.waiting: list[asyncio.Task[Child]] = []
+        self.ended: dict[int, float] = {}
         self._gates: dict[int, asyncio.Event] = {}
         run.on(HELD, self._hold)
 
@@ -110,6 +118,28 @@ class HeldSpawns:
         self._gates.setdefault(child.pid, asyncio.Event()).set()
         self.released.append(child)
         return child
+
+    async def stop(self, child: Child) -> None:
+        """End a process whose turn is over; one that raised or returned is let to exit by itself (rule 3 sees it)."""
+        if child.died is not None or child.returned:
+            await child.wait_exit(2.0)
+        if child.alive:
+            await child.kill()
+        self.note_end(child)
+
+    def note_end(self, child: Child) -> None:
+        """Record when an ended process ended: its crash's time if the nemesis killed it, else now."""
+        if child.pid in self.ended or child.alive:
+            return
+        crash = next((e for e in self.run.log.events("crash") if e.pid == child.pid), None)
+        self.ended[child.pid] = crash.ts if crash else time.time()
+
+    async def settle(self) -> None:
+        """At the run's end: let the processes that raised or returned exit (so rule 3 sees them), note every end."""
+        for child in self.released:
+            if child.died is not None or child.returned:
+                await child.wait_exit(2.0)
+            self.note_end(child)
 
     async def cancel(self) -> None:
         """Stop starting processes nobody will release (the run's end kills those already started)."""
