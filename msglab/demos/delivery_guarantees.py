@@ -44,11 +44,13 @@ from msglab.grading.effects import Event as Row
 from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.sandbox import Sandbox
+from msglab.grading.scaffold import Topology
 
 STREAM = "ORDERS"
 SUBJECT = "orders.charge"
 DURABLE = "payments"
 ACK_WAIT = 0.5  # seconds; production uses 30 s, an experiment cannot wait that long
+TOPOLOGY = Topology(STREAM, "orders.>", DURABLE, "", ACK_WAIT)  # the durable delivers all the stream holds
 POINTS = {  # where a worker can be killed, as nemesis plans name it
     "before": ("charge", "before"),  # inside env.charge, before the charge is committed
     "after": ("charge", "after"),  # inside env.charge, after the charge is committed
@@ -205,24 +207,16 @@ async def run_workers(
     before any worker starts and returns extra params for them (a service's subject, say);
     `kernel_user` runs the workers as the notebook's own user (they write the lesson's files).
     """
-    from nats.js.api import AckPolicy, ConsumerConfig
-
     folder, path = write_handler(handler)
     started = time.perf_counter()
+    topology = Topology(stream, subject.split(".")[0] + ".>", DURABLE, "", ACK_WAIT, {"max_ack_pending": 1000})
     lab = Run(grader, path, seed)
     if kernel_user:
         lab.sandbox = Sandbox(why_not="a lesson's own experiment, run as the notebook's user")
     try:
         async with lab:
             names = lab.names
-            await lab.js.add_stream(name=names.stream(stream), subjects=[names.subject(subject.split(".")[0] + ".>")])
-            await lab.js.add_consumer(
-                names.stream(stream),
-                ConsumerConfig(
-                    durable_name=names.durable(DURABLE), ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT,
-                    max_ack_pending=1000,
-                ),
-            )  # fmt: skip
+            await topology.provision(lab.js, names)
             extra = await setup(lab) if setup is not None else {}
             worker_params = {"handler": handler.__name__, "stream_name": stream, "consumer": DURABLE}
             worker_params |= (params or {}) | extra
@@ -255,8 +249,7 @@ async def run_workers(
             pids: list[int] = []
 
             async def acked() -> bool:
-                info = await lab.js.consumer_info(names.stream(stream), names.durable(DURABLE))
-                return bool(info.num_ack_pending == 0 and info.num_pending == 0)
+                return await topology.drained(lab)
 
             def idle(pid: int) -> bool:
                 """The worker has finished every message it took (an ack may come before the work)."""
@@ -560,7 +553,7 @@ async def timer_run(handler: Callable[..., Any], *, zombie: bool = False, timeou
     try:
         async with Run(__name__, path, 0) as lab:
             names = lab.names
-            await _provision(lab)
+            await TOPOLOGY.provision(lab.js, names)
             params = {"handler": handler.__name__, "stream_name": STREAM, "consumer": DURABLE}
             b_dead = asyncio.Event()
             first_check: list[int] = []
@@ -592,11 +585,10 @@ async def timer_run(handler: Callable[..., Any], *, zombie: bool = False, timeou
                         mine = [e.name for e in notes if e.pid == child.pid]
                         if mine.count("delivery") != mine.count("handled"):
                             return False
-                info = await lab.js.consumer_info(names.stream(STREAM), names.durable(DURABLE))
-                return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+                return await TOPOLOGY.drained(lab)
 
             settled = await lab.wait_for(finished, timeout)
-            info = await lab.js.consumer_info(names.stream(STREAM), names.durable(DURABLE))
+            info = await TOPOLOGY.info(lab)
             if not settled:
                 raise TimeoutError(f"the run did not settle within {timeout} s: {info.num_ack_pending} unacked")
             rows = lab.log.events()
@@ -605,17 +597,6 @@ async def timer_run(handler: Callable[..., Any], *, zombie: bool = False, timeou
     events = events_of(rows, {"before": POINTS["before"]})
     return TimerResult(
         handler.__name__, events, letters, info.num_pending, info.num_ack_pending, time.perf_counter() - started
-    )
-
-
-async def _provision(lab: Run) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig
-
-    names = lab.names
-    await lab.js.add_stream(name=names.stream(STREAM), subjects=[names.subject("orders.>")])
-    await lab.js.add_consumer(
-        names.stream(STREAM),
-        ConsumerConfig(durable_name=names.durable(DURABLE), ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT),
     )
 
 

@@ -37,7 +37,7 @@ class Topology:
     stream: str  # e.g. "BILLING"
     wildcard: str  # what the stream stores, e.g. "billing.>"
     durable: str  # e.g. "invoicer"
-    subject: str  # what the durable delivers, e.g. "billing.invoice"
+    subject: str  # what the durable delivers, e.g. "billing.invoice" ("": all the stream holds)
     ack_wait: float
     consumer: dict[str, Any] = field(default_factory=dict)  # more ConsumerConfig fields (max_ack_pending, ...)
 
@@ -45,6 +45,16 @@ class Topology:
         """Create the stream and its durable (names isolated per run)."""
         from msglab.grading.labkit import provision
 
+        if not self.subject:  # no filter: the durable delivers every subject the stream stores
+            from nats.js.api import AckPolicy, ConsumerConfig
+
+            await js.add_stream(name=names.stream(self.stream), subjects=[names.subject(self.wildcard)])
+            config = ConsumerConfig(
+                durable_name=names.durable(self.durable), ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait,
+                **self.consumer,
+            )  # fmt: skip
+            await js.add_consumer(names.stream(self.stream), config)
+            return
         await provision(
             js, names, stream=self.stream, wildcard=self.wildcard, durable=self.durable, subject=self.subject,
             ack_wait=self.ack_wait, **self.consumer,
@@ -66,7 +76,7 @@ class Topology:
         return await watch.start(run.nc)
 
     async def publish(self, run: Run, body: bytes, subject: str | None = None) -> int:
-        """Publish as the grader; return the stream sequence the broker confirmed."""
+        """Publish as the grader (on the durable's subject unless told); return the sequence the stream confirmed."""
         ack = await run.js.publish(run.names.subject(subject or self.subject), body)
         return int(ack.seq)
 
