@@ -8,6 +8,11 @@
     observe.py  what the grader sees on the broker itself: acks, pull requests, refused publishes
     verdict.py  checks with evidence and hints, rendered as text, JSON and HTML
     labkit.py   `env`, what learner code is handed, and the platform's stream and durable
+    rules.py    the rules below, each written once (faults, deaths, survives_idle, rule 6's allowance,
+                drained) and the wording every verdict shares; hints.toml holds their hints
+    scaffold.py what a workload is built from: Topology, HeldSpawns, Phases, Trace
+    contract.py what a grader module defines (the Grader Protocol), checked over the catalogue
+    example.py  the example lab's grader (examples/00_echo; docs/authoring.md walks through it)
 
 The trust boundary, in words:
 
@@ -27,14 +32,16 @@ from inside; the grader fires them itself and knows which fired.
 
 Rules every grader follows (modules 04-08 copy them):
 
-1. A planned fault that did not fire invalidates the run: the harness's `faults_check` fails
-   any run in which a planned crash did not happen, saying what the code did instead.
+1. A planned fault that did not fire invalidates the run: `rules.faults_check` fails any run in
+   which a planned crash did not happen, saying what the code did instead, in the lab's words
+   (the labels on the Crash).
 2. Workers are long-running: after the backlog drains and an idle gap longer than the worker's
    own fetch timeout (seen on the broker: `BrokerWatch.refetched_after_idle`), a late message
-   must be handled by the worker already running. A worker that returns fails.
+   must be handled by the worker already running. A worker that returns fails (`rules.survives_idle`,
+   check id `survives_idle` in every lab).
 3. An unplanned death is a failure: a learner process that raises or exits (not a kill the
-   nemesis or the grader made) fails `deaths_check`, which quotes the traceback, also on an
-   otherwise passing run. `grade.py` appends both checks to every verdict.
+   nemesis or the grader made) fails `rules.deaths_check`, which quotes the traceback, also on an
+   otherwise passing run. `grade.py` appends rules 1 and 3 to every verdict.
 4. Claims are checked on the broker: "accepted" means the stream confirmed it. Graders make the
    stream refuse a publish at a seeded moment (`refuse_publishes`); an order reported accepted
    must be in the stream.
@@ -43,7 +50,8 @@ Rules every grader follows (modules 04-08 copy them):
    library's default (nats-py: 0.5 s), so a missing timeout fails.
 6. Allowances come from what happened: a duplicate effect is allowed exactly where the evidence
    shows a delivery held by a worker that was killed before its ack (acks as the broker saw
-   them), whichever way the learner batches or orders its work.
+   them), whichever way the learner batches or orders its work; never more often than the broker
+   redelivered it (`rules.allowance`).
 7. Messages only claim what the evidence shows, and the hint targets the actual cause.
 8. Load does not change a verdict: the same file and seed give the same verdict on an idle
    machine and on a busy one (tests/test_variants_under_load.py). Bounds are on what happened,
@@ -64,6 +72,10 @@ The lab pattern (modules 04-08 copy it):
       concept = "..."            # level 2: the idea in two or three sentences, no code
       lesson = "section 3, 'Kill the worker'"   # level 2: where a lesson cell shows it
       code = "..."               # level 3: concrete, code-level
+
+  The platform's checks (faults_fired, no_unplanned_deaths, survives_idle, file_imports,
+  finishes) have their hints once, in msglab/grading/hints.toml; a lab.toml table of the same id
+  replaces them only where the lab needs its own words.
 
 - `tests/variants/NN_x/*.py`: wrong variants, whole learner files whose docstring has a line
   `Expect: fail <check_id>[, <check_id>]`; `tests/variants/NN_x/also_right/*.py`: correct ones
