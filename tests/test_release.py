@@ -9,6 +9,7 @@ here), and the suite already runs those under nbval.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -29,6 +30,7 @@ from msglab.classroom.edition import (
     solution_references,
     strip_code_hints,
 )
+from msglab.classroom.points import lab_points
 from msglab.errors import LabError
 
 
@@ -58,7 +60,8 @@ def test_no_lesson_or_lab_sends_a_learner_of_the_edition_to_the_solutions() -> N
 
 
 def test_the_edition_holds_the_course_without_its_answers(edition: Path) -> None:
-    left_out = ("solutions", "tests", "conftest.py", "scripts", ".ci", "docs/instructors.md", "var", ".msglab", ".venv")
+    left_out = ("solutions", "tests/variants", "tests/hostile", "conftest.py", "scripts", ".ci", "docs/instructors.md",
+                "var", ".msglab", ".venv")  # fmt: skip
     for gone in left_out:
         assert not (edition / gone).exists(), gone
     assert is_learner_edition(edition) and 'kind = "learner"' in (edition / MARKER).read_text()
@@ -76,7 +79,7 @@ def test_the_edition_holds_the_course_without_its_answers(edition: Path) -> None
     )
     for needed in ("pyproject.toml", "Makefile", "msglab/grading/grade.py", "msglab/graders/__init__.py"):
         assert (edition / needed).is_file(), needed
-    assert (edition / "README.md").read_text().startswith("> **Learner edition.**")
+    assert sorted(p.name for p in (edition / "tests").iterdir()) == ["test_edition.py"]  # its own, not the course's
     assert not list(edition.rglob("__pycache__")) and not list(edition.rglob("*.pyc"))
     log = subprocess.run(["git", "log", "--oneline"], cwd=edition, capture_output=True, text=True, check=True)
     assert len(log.stdout.splitlines()) == 1  # one commit: `msglab reset` restores starters from it
@@ -219,3 +222,27 @@ def test_a_starter_that_passes_its_lab_stops_the_release(tmp_path: Path, no_nats
         build_edition(tmp_path / "leaky", course, check_starters=True)
     assert "a solution may have been left in labs/" in (raised.value.hint or "")
     assert not (tmp_path / "leaky").exists()
+
+
+def test_the_edition_has_a_readme_a_makefile_and_a_workflow_written_for_it(edition: Path) -> None:
+    import yaml
+
+    readme = (edition / "README.md").read_text()
+    assert readme.startswith("# msglab") and "learner edition" in readme and "no reference solutions" in readme
+    for absent in ("docs/", "solutions/", "--solution", "every lab has a reference solution", "For course developers"):
+        assert absent not in readme, absent
+    for link in re.findall(r"\]\(([^)]+)\)", readme):  # every link points into the edition
+        assert (edition / link).exists(), link
+    makefile = (edition / "Makefile").read_text()
+    recipes = "\n".join(line for line in makefile.splitlines() if not line.startswith("#"))
+    assert "ruff" not in recipes and "mypy" not in recipes and "scripts" not in recipes and "conftest" not in recipes
+    assert "'pytest==" in makefile and "'nbval==" in makefile, "the course's pins"
+    workflow = yaml.safe_load((edition / ".github" / "workflows" / "classroom.yml").read_text())
+    steps = workflow["jobs"]["grade"]["steps"]
+    graders = [step for step in steps if "autograding-command-grader" in step.get("uses", "")]
+    labs = all_labs(edition)
+    assert [g["with"]["command"] for g in graders] == [f"msglab check {lab.number}" for lab in labs]
+    assert [g["with"]["max-score"] for g in graders] == [int(lab_points(lab).maximum) for lab in labs]
+    reporter = steps[-1]
+    assert reporter["with"]["runners"] == ",".join(g["id"] for g in graders)
+    assert set(reporter["env"]) == {f"{g['id'].upper()}_RESULTS" for g in graders}

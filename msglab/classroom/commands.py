@@ -27,9 +27,10 @@ def _release(args: argparse.Namespace) -> int:
                          "their code level left out (a graded edition; --code-hints keeps it)"))  # fmt: skip
     if edition.commit:
         print(f"  a git repository of one commit ({edition.commit[:12]}): `msglab reset NN` works in it")
-    for note in edition.readme_notes:
-        print(f"  note: the top README still mentions the solutions ({note.where}); a banner at its top says "
-              "this edition has none")  # fmt: skip
+    print(
+        "  its own README.md, Makefile (`make lab`, `make test`: lessons headless, starters failing), and "
+        ".github/workflows/classroom.yml (GitHub Classroom: points on each push)"
+    )
     print("  hand it out as a folder, a zip, or a repository; learners run `make lab` in it")
     return 0
 

@@ -47,10 +47,12 @@ LEFT_OUT = ("solutions/", "tests/", "conftest.py", "scripts/", ".ci/", "docs/ins
 NEVER = re.compile(r"(^|/)(__pycache__|\.ipynb_checkpoints|\.git|\.venv|\.mypy_cache|\.ruff_cache|\.pytest_cache)(/|$)"
                    r"|\.pyc$|\.egg-info(/|$)")  # fmt: skip
 REFERENCE = re.compile(r"solutions/|--solution\b|solution\s*=\s*True")
-BANNER = """> **Learner edition.** This copy of the course has no reference solutions: `msglab check NN`
-> grades your own file; `--solution` is not available here. Ask your instructor when you are stuck.
-
-"""
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # the edition's own README, Makefile, tests, workflow
+TEST_TOOLS = (
+    "pytest",
+    "nbval",
+    "pytest-timeout",
+)  # what the edition's `make test` adds, pinned as the course pins them
 
 
 class ReleaseError(MsglabError):
@@ -77,7 +79,7 @@ class Edition:
     files: list[str]
     left_out: list[str]
     references: list[Reference] = field(default_factory=list)  # only when written with strict=False
-    readme_notes: list[Reference] = field(default_factory=list)  # mentions in the top README (a banner covers them)
+    readme_notes: list[Reference] = field(default_factory=list)  # unused: the edition's README is its own
     commit: str = ""
     source: str = ""  # the course's commit it was built from ("" when the course is not a git repository)
     not_shipped: list[str] = field(default_factory=list)  # working-tree changes left behind (--allow-dirty)
@@ -201,10 +203,7 @@ def build_edition(out: Path, root: Path | None = None, *, strict: bool = True, g
                 if PurePosixPath(name).name in ("lab.toml", "hints.toml"):
                     path = staging / name
                     path.write_text(strip_code_hints(path.read_text(encoding="utf-8"), name), encoding="utf-8")
-        readme = staging / "README.md"
-        notes = references_in(readme, "README.md") if readme.is_file() else []
-        if readme.is_file():
-            readme.write_text(BANNER + readme.read_text(encoding="utf-8"), encoding="utf-8")
+        files += own_files(staging, source, code_hints)
         labs = sorted({PurePosixPath(n).parts[1] for n in files if n.startswith("labs/") and n.endswith("/lab.toml")})
         (staging / MARKER).write_text(
             "# The learner edition of msglab, written by `msglab release`: no solutions/, no tests/.\n"
@@ -223,7 +222,7 @@ def build_edition(out: Path, root: Path | None = None, *, strict: bool = True, g
             target = out / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(staging / name, target)
-    edition = Edition(out, files, left_out, references if not strict else [], notes, source=source,
+    edition = Edition(out, sorted(set(files)), left_out, references if not strict else [], source=source,
                       not_shipped=not_shipped, code_hints=code_hints)  # fmt: skip
     if git:
         edition.commit = _git_commit(out)
@@ -336,6 +335,75 @@ def refuse_passing_starters(course: Path, state: Path) -> None:
     if wrong:
         hint = "commit the starter as learners should get it (a solution may have been left in labs/)"
         raise ReleaseError("a starter must fail its lab with a teaching message:\n" + "\n".join(wrong), hint=hint)
+
+
+def own_files(course: Path, source: str, code_hints: bool) -> list[str]:
+    """Write the edition's own README.md, Makefile, tests/test_edition.py and GitHub Classroom workflow into `course`.
+
+    The course's README and Makefile are the instructor's (developer checks on folders the edition
+    has not, links to this guide); the edition gets its own. Returns the files written.
+    """
+    from msglab.catalog import all_labs, read_notebook
+    from msglab.classroom.points import lab_points, number
+
+    labs = all_labs(course)
+    lessons = sorted((course / "lessons").glob("*.ipynb"))
+    rows = []
+    for lesson in lessons:
+        lab = next((lab for lab in labs if lab.number == lesson.name[:2]), None)
+        title = _notebook_title(read_notebook(lesson)) or lesson.stem
+        edit = f"[{lab.title}](labs/{lab.name}/README.md): `labs/{lab.name}/{lab.file}`" if lab else "–"
+        rows.append(f"| {lesson.name[:2]} | [{title}](lessons/{lesson.name}) | {edit} |")
+    hints = ("`msglab hint NN` opens the hints level by level as a check keeps failing, down to code."
+             if code_hints else "`msglab hint NN` opens the hints (the idea, then where a lesson shows it) as a "
+             "check keeps failing; ask your instructor when you are stuck.")  # fmt: skip
+    readme = (TEMPLATES / "README.md").read_text(encoding="utf-8")
+    for key, value in (("@BUILT@", datetime.now(UTC).strftime("%Y-%m-%d")), ("@COMMIT@", source[:12] or "unknown"),
+                       ("@HINTS@", hints), ("@SYLLABUS@", "\n".join(rows))):  # fmt: skip
+        readme = readme.replace(key, value)
+    (course / "README.md").write_text(readme, encoding="utf-8")
+    (course / "Makefile").write_text(
+        (TEMPLATES / "Makefile").read_text(encoding="utf-8").replace("@TEST_TOOLS@", " ".join(_pins(course))),
+        encoding="utf-8",
+    )
+    (course / "tests").mkdir(exist_ok=True)
+    shutil.copyfile(TEMPLATES / "test_edition.py", course / "tests" / "test_edition.py")
+    steps, env, runners = [], [], []
+    for lab in labs:
+        step = f"lab-{lab.number}"
+        steps.append(f"      - name: lab {lab.number}\n        id: {step}\n"
+                     f"        uses: classroom-resources/autograding-command-grader@v1\n        with:\n"
+                     f"          test-name: \"lab {lab.number}: {lab.title}\"\n"
+                     f"          command: msglab check {lab.number}\n"
+                     f"          timeout: 10\n          max-score: {number(lab_points(lab).maximum) or 1}")  # fmt: skip
+        env.append(f'          {step.upper()}_RESULTS: "${{{{steps.{step}.outputs.result}}}}"')
+        runners.append(step)
+    workflow = (TEMPLATES / "classroom.yml").read_text(encoding="utf-8")
+    workflow = workflow.replace("@STEPS@", "\n".join(steps)).replace("@ENV@", "\n".join(env))
+    (course / ".github" / "workflows").mkdir(parents=True, exist_ok=True)
+    (course / ".github" / "workflows" / "classroom.yml").write_text(workflow.replace("@RUNNERS@", ",".join(runners)))
+    return ["README.md", "Makefile", "tests/test_edition.py", ".github/workflows/classroom.yml"]
+
+
+def _notebook_title(notebook: dict[str, object]) -> str:
+    """A notebook's first heading, without its '#' and any 'Lesson NN:' prefix."""
+    cells = notebook.get("cells")
+    for cell in cells if isinstance(cells, list) else []:
+        source = cell.get("source", "") if isinstance(cell, dict) else ""
+        text = "".join(source) if isinstance(source, list) else str(source)
+        for line in text.splitlines():
+            if line.startswith("# "):
+                return re.sub(r"^(Lesson\s+)?\d+\s*[·:.-]\s*", "", line[2:].strip())
+    return ""
+
+
+def _pins(course: Path) -> list[str]:
+    """The test tools as the course's pyproject.toml pins them (its dev extras), by name."""
+    pyproject = course / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {}) if pyproject.is_file() else {}
+    dev = project.get("optional-dependencies", {}).get("dev", [])
+    pins = {re.split(r"[=<>!~ \[]", dep, maxsplit=1)[0].lower(): dep for dep in dev}
+    return [f"'{pins.get(name, name)}'" for name in TEST_TOOLS]
 
 
 def _prepare(out: Path, replace: bool) -> None:
