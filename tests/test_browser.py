@@ -3,7 +3,10 @@
 One JupyterLab (started by msglab.jupyter, as `make lab` does, but with throwaway config, runtime,
 settings and workspace folders) and one real nats-server serve every lesson. Debian's Chromium,
 driven by Playwright, opens each lesson, runs all cells and checks what a learner would see:
-no error output, every displayed widget rendered, no JavaScript error on the page.
+no error output, every displayed widget rendered, no JavaScript error on the page. On the way it clicks as
+a learner does: it records an answer to the lesson's first prediction before that experiment runs (and
+checks that the reveal compares it with what was measured) and answers the first quiz question, once
+wrongly and once rightly (and checks each shows its own feedback).
 A screenshot per lesson lands in var/screenshots/ for a person to look at after the run.
 Without /usr/bin/chromium or Playwright the tests skip (Playwright cannot download a browser here).
 """
@@ -79,17 +82,37 @@ STATE_JS = """
   };
 }
 """
-# Run All has settled: kernel idle, no cell running or still waiting its turn (Run All stops at the first
+# A run has settled: kernel idle, no cell running or still waiting its turn (Run All stops at the first
 # error), and every widget view drawn or failed: views render asynchronously, after their cell has finished.
+# `upto` (a code cell's index, or null for all) limits the cells that must have run.
 SETTLED_JS = f"""
-() => {{
+(upto) => {{
   const s = ({STATE_JS})();
   if (!s || s.kernel !== 'idle' || s.cells.some(c => c.running)) return false;
-  const failed = s.cells.some(c => !c.tags.includes('raises-exception') && c.outputs.some(o => o.type === 'error'));
-  if (!failed && s.cells.some(c => c.source.trim() && c.count === null)) return false;
-  return s.cells.every(c => c.outputs.every(o => !o.mimes.includes('{WIDGET_MIME}')
+  const cells = upto === null ? s.cells : s.cells.slice(0, upto + 1);
+  const failed = cells.some(c => !c.tags.includes('raises-exception') && c.outputs.some(o => o.type === 'error'));
+  if (!failed && cells.some(c => c.source.trim() && c.count === null)) return false;
+  return cells.every(c => c.outputs.every(o => !o.mimes.includes('{WIDGET_MIME}')
     || ((o.widgets > 0 || (o.shown || '').trim() !== '') && !(o.shown || '').includes('Loading widget'))));
 }}
+"""
+# Runs a notebook command with cell `i` (an index among all cells) active; its promise settles in window.__msglabRun.
+COMMAND_JS = """
+([command, i]) => { window.__msglabRun = null;
+  const p = window.jupyterapp.shell.currentWidget;
+  if (i !== null) p.content.activeCellIndex = i;
+  window.jupyterapp.commands.execute(command).then(
+    ok => { window.__msglabRun = {ok: ok}; }, err => { window.__msglabRun = {error: String(err)}; }); }
+"""
+# Names cell i's output area for the page's locators, and scrolls it into view (a windowed notebook may not
+# have drawn a cell far below).
+MARK_JS = """
+async ([i, name]) => {
+  const p = window.jupyterapp.shell.currentWidget;
+  p.content.activeCellIndex = i;
+  if (p.content.scrollToItem) { try { await p.content.scrollToItem(i, 'center'); } catch (e) {} }
+  p.content.widgets[i].outputArea.node.setAttribute('data-msglab', name);
+}
 """
 
 
@@ -109,10 +132,12 @@ class LessonRun:
     state: dict[str, Any] = field(default_factory=dict)
     page_errors: list[str] = field(default_factory=list)
     unfinished: str = ""  # why waiting for Run All to settle gave up, if it did
+    clicks: list[str] = field(default_factory=list)  # what the learner's clicks showed that they should not
+    revealed: str = ""  # the reveal after the recorded prediction, as the page shows it
 
     def problems(self) -> list[str]:
         """Everything a learner would see as broken, one line each; empty when the lesson is fine."""
-        found = [f"JavaScript error on the page: {err}" for err in self.page_errors]
+        found = [f"JavaScript error on the page: {err}" for err in self.page_errors] + self.clicks
         if self.unfinished:
             found.append(self.unfinished)
         found += [f"a dialog is open: {text!r}" for text in self.state["dialogs"]]
@@ -198,8 +223,40 @@ def course(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Course]:
             lab.stop()
 
 
-def run_notebook(course: Course, path: str, screenshot: Path) -> LessonRun:
-    """Open notebook `path` (relative to the course root) in a fresh workspace, Run All, and read the result."""
+@dataclass(frozen=True)
+class Clicks:
+    """Where a learner clicks in one lesson: its first prediction, that prediction's reveal, its quiz."""
+
+    predict: int  # index among all cells
+    predict_code: int  # the same cell's index among code cells
+    reveal: int  # index among code cells (as STATE_JS lists them)
+    quiz: int  # index among all cells
+    wrong: Any  # the first question's first wrong answer, and its right one (msglab.notebook.quiz.A)
+    right: Any
+
+    @classmethod
+    def of(cls, notebook: Path) -> Clicks:
+        from msglab.notebook.quiz import Q
+
+        cells = json.loads(notebook.read_text())["cells"]
+        sources = ["".join(c["source"]) for c in cells]
+        code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+        predict = next(i for i in code if "msglab.predict(" in sources[i])
+        reveal = next(n for n, i in enumerate(code) if i > predict and ".reveal(" in sources[i])
+        quiz = next(i for i in code if "quiz([" in sources[i])
+        namespace: dict[str, Any] = {}
+        exec(sources[quiz].replace("quiz([", "questions = ([", 1), namespace)  # the data, not the widget
+        first: Q = namespace["questions"][0]
+        wrong = next(a for a in first.answers if not a.correct)
+        right = next(a for a in first.answers if a.correct)
+        return cls(predict, code.index(predict), reveal, quiz, wrong, right)
+
+
+def run_notebook(course: Course, path: str, screenshot: Path, clicks: Clicks | None = None) -> LessonRun:
+    """Open notebook `path` (relative to the course root) in a fresh workspace, Run All, and read the result.
+
+    With `clicks`: run the cells up to the first prediction, record an answer in its widget, run the rest,
+    then answer the quiz's first question wrongly and rightly; what the page showed wrong lands in `clicks`."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -222,22 +279,17 @@ def run_notebook(course: Course, path: str, screenshot: Path) -> LessonRun:
             )  # fmt: skip
         except PlaywrightTimeout:
             pytest.fail(f"{path}: no idle kernel after {READY_TIMEOUT_MS // 1000} s (page errors: {run.page_errors})")
-        # The learner's gesture, Run > Run All Cells; its promise settles when the last cell has run.
-        page.evaluate(
-            """() => { window.__msglabRun = null;
-                window.jupyterapp.commands.execute('runmenu:run-all').then(
-                  ok => { window.__msglabRun = {ok: ok}; }, err => { window.__msglabRun = {error: String(err)}; }); }"""
-        )
-        try:
-            page.wait_for_function("() => window.__msglabRun !== null", timeout=RUN_TIMEOUT_MS)
-            failed = page.evaluate("() => window.__msglabRun.error || null")
-            if failed:
-                run.unfinished = f"Run All failed to start: {failed}"
-            else:
-                page.wait_for_function(SETTLED_JS, timeout=RUN_TIMEOUT_MS)
-        except PlaywrightTimeout:
-            run.unfinished = f"Run All had not settled after {RUN_TIMEOUT_MS // 1000} s"
+        said = ""
+        if clicks is None:  # the learner's gesture, Run > Run All Cells; its promise settles when the last cell has run
+            _run(page, run, "runmenu:run-all", None, None)
+        else:  # the cells up to the prediction, an answer recorded, then the rest
+            if _run(page, run, "notebook:run-all-above", clicks.predict + 1, clicks.predict_code):
+                said = _record_prediction(page, run, clicks.predict)
+                _run(page, run, "notebook:run-all-below", clicks.predict + 1, None)
         run.state = page.evaluate(STATE_JS)
+        if clicks is not None and not run.unfinished:
+            _check_reveal(run, clicks.reveal, said)
+            _answer_quiz(page, run, clicks)
         return run
     finally:
         # Whatever happened, a picture of it; then shut the kernel down: the next lesson gets the CPU to itself.
@@ -247,6 +299,72 @@ def run_notebook(course: Course, path: str, screenshot: Path) -> LessonRun:
         with contextlib.suppress(PlaywrightError):
             page.evaluate("() => window.jupyterapp && window.jupyterapp.serviceManager.sessions.shutdownAll()")
         page.close()
+
+
+def _run(page: Any, run: LessonRun, command: str, active: int | None, upto: int | None) -> bool:
+    """Run a notebook command and wait until the cells it ran have settled; False (and why) if they did not."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.evaluate(COMMAND_JS, [command, active])
+    try:
+        page.wait_for_function("() => window.__msglabRun !== null", timeout=RUN_TIMEOUT_MS)
+        failed = page.evaluate("() => window.__msglabRun.error || null")
+        if failed:
+            run.unfinished = f"{command} failed to start: {failed}"
+            return False
+        page.wait_for_function(SETTLED_JS, arg=upto, timeout=RUN_TIMEOUT_MS)
+    except PlaywrightTimeout:
+        run.unfinished = f"{command} had not settled after {RUN_TIMEOUT_MS // 1000} s"
+        return False
+    return True
+
+
+def _record_prediction(page: Any, run: LessonRun, cell: int) -> str:
+    """Answer the prediction widget of cell `cell` as a learner would (a number typed, or the first choice picked),
+    press its button, and return what was recorded ("" if the widget did not take it)."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    page.evaluate(MARK_JS, [cell, "predict"])
+    box = page.locator('[data-msglab="predict"]')
+    try:
+        if box.locator('input[type="radio"]').count():
+            said = box.locator("label").first.inner_text().strip()
+            box.locator('input[type="radio"]').first.check()
+        else:
+            said = "7"
+            box.locator('input[type="text"]').fill(said)
+        box.get_by_role("button", name="Record my prediction").click()
+        box.get_by_text(f"Recorded: {said}").wait_for(timeout=10_000)
+    except PlaywrightError as exc:
+        run.clicks.append(f"the prediction widget did not record an answer: {_first_line(str(exc))}")
+        return ""
+    return said
+
+
+def _check_reveal(run: LessonRun, reveal: int, said: str) -> None:
+    """The reveal after the prediction shows the recorded answer beside the measurement."""
+    if not said:
+        return
+    shown = run.revealed = " ".join((o["shown"] or o["text"] or "") for o in run.state["cells"][reveal]["outputs"])
+    if f"You said {said};" not in shown or "measured" not in shown:
+        run.clicks.append(f"the reveal does not compare the recorded answer {said!r} with the measurement: {shown!r}")
+
+
+def _answer_quiz(page: Any, run: LessonRun, clicks: Clicks) -> None:
+    """Pick a wrong answer to the first question, then the right one: each shows its own feedback."""
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import expect
+
+    page.evaluate(MARK_JS, [clicks.quiz, "quiz"])
+    first = page.locator('[data-msglab="quiz"] .widget-radio-box').first
+    for answer, mark in ((clicks.wrong, "Not quite."), (clicks.right, "Right.")):
+        try:
+            first.get_by_label(answer.text, exact=True).check()
+            expect(page.locator('[data-msglab="quiz"]')).to_contain_text(f"{mark} {answer.feedback[:40]}")
+        except (PlaywrightError, AssertionError) as exc:
+            run.clicks.append(
+                f"quiz answer {answer.text!r} did not show {mark!r} and its feedback: {_first_line(str(exc))}"
+            )
 
 
 def _screenshot(page: Any, path: Path) -> None:
@@ -262,8 +380,11 @@ def _screenshot(page: Any, path: Path) -> None:
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
 def test_lesson_runs_in_browser(course: Course, lesson: Path) -> None:
-    """Run All on a lesson shows no error, renders every widget, and raises nothing in the page."""
-    run = run_notebook(course, lesson.relative_to(ROOT).as_posix(), SCREENSHOTS / f"{lesson.stem}.png")
+    """A lesson run as a learner runs it (a prediction recorded, a quiz answered) shows no error, renders every
+    widget, compares the recorded prediction with the measurement, and raises nothing in the page."""
+    run = run_notebook(
+        course, lesson.relative_to(ROOT).as_posix(), SCREENSHOTS / f"{lesson.stem}.png", Clicks.of(lesson)
+    )
     assert run.state["path"] == lesson.relative_to(ROOT).as_posix()
     problems = run.problems()
     # Beside the screenshot, what was checked: for a person looking at the run afterwards.
@@ -275,6 +396,7 @@ def test_lesson_runs_in_browser(course: Course, lesson: Path) -> None:
         "widget_views": run.widget_outputs(),
         "widgets_drawn": run.rendered_widgets(),
         "page_errors": run.page_errors,
+        "revealed": run.revealed,
         "problems": problems,
     }
     (SCREENSHOTS / f"{lesson.stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
