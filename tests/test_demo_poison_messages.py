@@ -210,7 +210,7 @@ def test_server_facts_the_lesson_shows(server: EmbeddedServer) -> None:
         js = nc.jetstream()
         try:
             return (
-                await demo.consumer_rules(js, DELAYS), await demo.advisories_by_kind(js),
+                await demo.consumer_rules(js, DELAYS), await demo.advisories_by_kind(nc),
                 await demo.durable_defaults(js), await demo.nak_keeps_its_slot(js, delay=0.3),
             )  # fmt: skip
         finally:

@@ -789,12 +789,14 @@ class Advisories:
         )
 
 
-async def advisories_by_kind(js: Any) -> Advisories:
-    """An email runs out of deliveries (max_deliver 2, ack_wait 0.1 s, never acked) on a pull and a push durable."""
+async def advisories_by_kind(nc: Any) -> Advisories:
+    """An email runs out of deliveries (max_deliver 2, ack_wait 0.1 s, never acked) on a pull and a push durable;
+    `nc` also takes the push deliveries, and hears the advisories."""
     from nats.js.api import AckPolicy, ConsumerConfig
 
     from msglab.broker import delete_stream
 
+    js = nc.jetstream()
     await delete_stream(js, PROBE_STREAM)
     await js.add_stream(name=PROBE_STREAM, subjects=["lesson04.probe.>"])
     seen: list[str] = []  # the consumer each advisory names
@@ -805,7 +807,6 @@ async def advisories_by_kind(js: Any) -> Advisories:
         if seen[-1] == "push":
             pushed.set()
 
-    nc = js._nc
     subs = [await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROBE_STREAM}.>", cb=on_advisory)]
     try:
 
