@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
-from attacks import ATTACKS, PRELUDE, Attack
+from attacks import ATTACKS, PRELUDE, Attack, mark_folder
 
 from msglab.catalog import Lab, all_labs
 from msglab.grading.grade import CLEANUP_TIMEOUT, GRADE_TIMEOUT, grade
@@ -35,8 +35,7 @@ CASES = [
 @pytest.fixture
 def mark() -> Iterator[Path]:
     """A folder outside the run where the hostile code leaves pids and outcomes."""
-    folder = Path(tempfile.mkdtemp(prefix="msglab-hostile-"))
-    folder.chmod(0o777)  # the learner's own user must be able to write here
+    folder = mark_folder("msglab-hostile-")
     yield folder
     for name in os.listdir(folder):
         os.unlink(folder / name)

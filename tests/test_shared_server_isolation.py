@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
-from attacks import PRELUDE
+from attacks import PRELUDE, mark_folder
 
 from msglab.broker.server import EmbeddedServer
 from msglab.broker.users import SharedUsers
@@ -67,10 +67,7 @@ def shared_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 def test_a_vandal_cannot_touch_other_runs_on_a_shared_server(shared_server: str, tmp_path: Path) -> None:
     labs = all_labs()[:1]  # TEMP
-    mark = Path(
-        tempfile.mkdtemp(prefix="msglab-vandal-")
-    )  # outside pytest's private tmp: the learner's user writes here
-    mark.chmod(0o777)
+    mark = mark_folder("msglab-vandal-")  # outside pytest's private tmp: the learner's user writes here
     first = labs[0]
     vandal = tmp_path / first.file
     vandal.write_text(first.source().read_text() + PRELUDE.format(mark=str(mark)) + VANDAL)

@@ -1,21 +1,35 @@
 """NATS users for a grading run's own server: the grader (and course services) may do anything,
 the learner's processes only what a lab needs.
 
-The learner user may publish and subscribe on ordinary subjects, publish to streams, fetch from
-and ack on consumers, read stream and consumer info, and create consumers (nats-py gives even an
-ephemeral consumer a name, so the create subject cannot tell them apart). It may not create,
-update, delete or purge streams, delete consumers or messages, use the legacy durable-create
-API, or touch the server's system subjects: so it cannot undo the platform's set-up or erase
-evidence.
-A lab adds denials of its own (subjects only a course service may publish on).
+The learner user may publish to the lab's streams, fetch from and ack on consumers, read stream and
+consumer info, and create consumers of its own (nats-py names even an ephemeral consumer, so a
+named create is allowed for every name but the platform's durables). It may not create, update,
+delete or purge streams, delete consumers or messages, create or update the platform's durables
+(`$JS.API.CONSUMER.CREATE` is create-or-update, and so is its unnamed legacy form when the config
+carries a name: both are denied where they could reach a platform durable), list consumers (the
+grader's own have unguessable names), use the legacy durable-create API, speak for a course
+service (the email provider's, the gateway's subjects), read anyone else's inbox (it has its own
+prefix, `LEARNER_INBOX`), or touch the server's system subjects. Its account's JetStream storage
+is bounded (`RUN_JETSTREAM`): a run cannot fill the grader's disk or memory.
+
+What a lab needs comes from its grader module, read with defaults so graders can add them:
+  STREAM, STREAMS       the streams it creates (STREAM holds the platform's durables)
+  DURABLE, DURABLES     the platform's durables, which learner code may only read, fetch from and ack
+  LEARNER_SUBJECTS      the ordinary subjects learner code may publish and subscribe on (wildcards
+                        allowed); without it, every subject but the denied ones, as before
+  LEARNER_DENY_PUBLISH  subjects only the grader or a course service may publish on
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterable
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+LEARNER = "learner"
+LEARNER_INBOX = "_INBOX_learner"  # the learner's inbox prefix on a run's own server (MSGLAB_INBOX)
 LEARNER_DENY_PUBLISH = [
     "$JS.API.STREAM.CREATE.>",
     "$JS.API.STREAM.UPDATE.>",
@@ -31,42 +45,107 @@ LEARNER_DENY_PUBLISH = [
     "$JS.API.CONSUMER.PAUSE.>",
     "$JS.API.CONSUMER.UNPIN.>",
     "$JS.API.CONSUMER.LEADER.>",
+    "$JS.API.CONSUMER.NAMES.>",  # the grader's own consumers are safe while their names are unknown
+    "$JS.API.CONSUMER.LIST.>",
     "$JS.API.ACCOUNT.>",
     "$JS.API.META.>",
     "$JS.API.SERVER.>",
     "$SYS.>",
 ]
-LEARNER_DENY_SUBSCRIBE = ["$SYS.>"]
+LEARNER_DENY_SUBSCRIBE = ["$SYS.>", "_INBOX.>"]  # `_INBOX.` is the grader's and the services' inbox
+# The course services' subjects under their default prefixes (msglab.world): learner code asks them
+# nothing directly (the grader forwards what it must), so it may neither speak for them nor listen.
+COURSE_SERVICES = ["provider.>", "gateway.>"]
+# A run's own server: its account's JetStream storage (a lab stores kilobytes; an attack stored 300 MB).
+RUN_JETSTREAM = {"max_memory": 32 << 20, "max_file": 64 << 20, "max_streams": 16, "max_consumers": 64}
+
+
+def _names(module: Any, one: str, many: str) -> list[str]:
+    """A grader's ONE (a string) and MANY (a sequence) constants, e.g. STREAM and STREAMS."""
+    found = [module.__dict__[one]] if isinstance(getattr(module, one, None), str) else []
+    return found + [name for name in getattr(module, many, ()) if name not in found]
+
+
+def platform_consumer_denials(stream_prefix: str, streams: Iterable[str], durables: Iterable[str]) -> list[str]:
+    """Subjects that could create or update a platform durable: named creates of its name, the unnamed
+    legacy create on streams holding one (verified: a config naming the durable updates it)."""
+    denied = [f"$JS.API.CONSUMER.CREATE.{stream_prefix}{stream}" for stream in streams]
+    for durable in durables:
+        denied += [f"$JS.API.CONSUMER.CREATE.*.{durable}", f"$JS.API.CONSUMER.CREATE.*.{durable}.>"]
+    return denied
+
+
+def jetstream_allow(stream_names: Iterable[str]) -> list[str]:
+    """The JetStream API a learner needs on these streams: info, reading, its own consumers, fetch and ack."""
+    allow = ["$JS.API.INFO"]
+    for stream in stream_names:
+        allow += [
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.*",
+            f"$JS.API.CONSUMER.CREATE.{stream}",  # unnamed (legacy); denied where a platform durable lives
+            f"$JS.API.CONSUMER.CREATE.{stream}.*",  # named, e.g. nats-py's ephemerals; platform names denied
+            f"$JS.API.CONSUMER.CREATE.{stream}.*.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.ACK.{stream}.>",
+            f"$JS.FC.{stream}.>",  # flow control replies of a push consumer
+        ]
+    return allow
 
 
 class RunUsers:
-    """The two users of one run's server, with fresh passwords."""
+    """The two users of one run's server, with fresh passwords, in an account with bounded JetStream."""
 
-    def __init__(self, extra_deny_publish: list[str] | None = None) -> None:
+    def __init__(self, extra_deny_publish: list[str] | None = None, *, grader: Any = None) -> None:
         self.grader_password = secrets.token_urlsafe(18)
         self.learner_password = secrets.token_urlsafe(18)
-        self.deny_publish = LEARNER_DENY_PUBLISH + list(extra_deny_publish or [])
+        self.inbox_prefix = LEARNER_INBOX
+        extra = list(extra_deny_publish or []) + list(getattr(grader, "LEARNER_DENY_PUBLISH", []) or [])
+        if grader is not None:
+            streams, durables = _names(grader, "STREAM", "STREAMS"), _names(grader, "DURABLE", "DURABLES")
+            platform = [grader.STREAM] if isinstance(getattr(grader, "STREAM", None), str) else streams[:1]
+        else:  # the course's every stream and durable: strict without knowing the lab
+            streams, durables, platform = course_streams(), course_durables(), course_platform_streams()
+        self.streams = streams
+        self.subjects: list[str] | None = list(getattr(grader, "LEARNER_SUBJECTS", None) or []) or None
+        self.deny_publish = (
+            LEARNER_DENY_PUBLISH + COURSE_SERVICES + platform_consumer_denials("", platform, durables) + extra
+        )
+        self.deny_subscribe = LEARNER_DENY_SUBSCRIBE + COURSE_SERVICES
+
+    def learner_permissions(self) -> dict[str, object]:
+        """Publish and subscribe rules of the learner user (deny wins over allow)."""
+        if self.subjects is None:  # no declared subjects: everything ordinary, minus the denials
+            return {
+                "publish": {"deny": self.deny_publish},
+                "subscribe": {"deny": self.deny_subscribe},
+            }
+        return {
+            # STREAM.NAMES: nats-py's pull_subscribe finds a stream by subject when none is named
+            "publish": {
+                "allow": [*self.subjects, "$JS.API.STREAM.NAMES", *jetstream_allow(self.streams)],
+                "deny": self.deny_publish,
+            },
+            "subscribe": {"allow": [*self.subjects, f"{self.inbox_prefix}.>"], "deny": self.deny_subscribe},
+            "allow_responses": True,  # answer the grader's requests to a service it runs
+        }
 
     def config(self) -> str:
         """The server config text (JSON is valid NATS config syntax)."""
         users = [
             {"user": "grader", "password": self.grader_password},
-            {
-                "user": "learner",
-                "password": self.learner_password,
-                "permissions": {
-                    "publish": {"deny": self.deny_publish},
-                    "subscribe": {"deny": LEARNER_DENY_SUBSCRIBE},
-                },
-            },
+            {"user": LEARNER, "password": self.learner_password, "permissions": self.learner_permissions()},
         ]
-        return "authorization " + json.dumps({"users": users}, indent=2) + "\n"
+        accounts = {"RUN": {"jetstream": RUN_JETSTREAM, "users": users}}
+        return "accounts " + json.dumps(accounts, indent=2) + "\n"
 
     def grader_url(self, url: str) -> str:
         return with_credentials(url, "grader", self.grader_password)
 
     def learner_url(self, url: str) -> str:
-        return with_credentials(url, "learner", self.learner_password)
+        return with_credentials(url, LEARNER, self.learner_password)
 
 
 def with_credentials(url: str, user: str, password: str) -> str:
@@ -117,46 +196,63 @@ def course_streams() -> list[str]:
     """
     names: set[str] = set()
     for module in _course_modules():
-        names.update(getattr(module, "STREAMS", ()))
-        if isinstance(getattr(module, "STREAM", None), str):
+        names.update(_names(module, "STREAM", "STREAMS"))
+    return sorted(names)
+
+
+def course_durables() -> list[str]:
+    """Every platform durable a grader or lesson demo names (their DURABLE / DURABLES constants)."""
+    names: set[str] = set()
+    for module in _course_modules():
+        names.update(_names(module, "DURABLE", "DURABLES"))
+    return sorted(names)
+
+
+def course_platform_streams() -> list[str]:
+    """The streams that hold a platform durable: each grader's STREAM when it names a durable."""
+    names: set[str] = set()
+    for module in _course_modules():
+        if _names(module, "DURABLE", "DURABLES") and isinstance(getattr(module, "STREAM", None), str):
             names.add(module.STREAM)  # type: ignore[attr-defined]
     return sorted(names)
 
 
 def course_service_subjects() -> list[str]:
-    """Subjects only course services may publish on (every grader's LEARNER_DENY_PUBLISH)."""
-    subjects: set[str] = set()
+    """Subjects only course services may publish on (every grader's LEARNER_DENY_PUBLISH, the services')."""
+    subjects: set[str] = set(COURSE_SERVICES)
     for module in _course_modules():
         subjects.update(getattr(module, "LEARNER_DENY_PUBLISH", ()))
     return sorted(subjects)
 
 
-def slot_permissions(slot: int, streams: list[str], services: list[str] | None = None) -> dict[str, object]:
+def slot_permissions(
+    slot: int,
+    streams: list[str],
+    services: list[str] | None = None,
+    durables: list[str] | None = None,
+    platform_streams: list[str] | None = None,
+) -> dict[str, object]:
     """Only the slot's own subjects, streams, consumers and inbox; replies to requests it receives.
 
     `services` are subjects of course services inside the slot's names (e.g. its gateway's):
-    denied, so a learner cannot speak for the service (deny wins over allow).
+    denied, so a learner cannot speak for the service (deny wins over allow); `durables` are the
+    platform's, which the slot may read, fetch from and ack but never create or update, on
+    `platform_streams` (by default every stream).
     """
     prefix = slot_prefix(slot)
-    allow = [f"{prefix}.>", "$JS.API.INFO"]
-    for name in streams:
-        stream = f"{prefix.upper()}_{name}"
-        allow += [
-            f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.CONSUMER.INFO.{stream}.*",
-            f"$JS.API.CONSUMER.NAMES.{stream}",
-            f"$JS.API.CONSUMER.LIST.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}",  # ephemeral consumers on its own streams
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-            f"$JS.ACK.{stream}.>",
-        ]
-    deny = [f"{prefix}.{subject}" for subject in services or () if not subject.startswith("$")]
+    stream_prefix = f"{prefix.upper()}_"
+    allow = [f"{prefix}.>", *jetstream_allow(stream_prefix + name for name in streams)]
+    services_denied = [f"{prefix}.{subject}" for subject in services or () if not subject.startswith("$")]
+    deny = list(services_denied)
+    deny += [subject for subject in LEARNER_DENY_PUBLISH if subject.startswith("$JS.API.CONSUMER.")]
+    deny += platform_consumer_denials(
+        stream_prefix,
+        streams if platform_streams is None else platform_streams,
+        [f"{prefix}_{durable}" for durable in durables or ()],
+    )
     return {
         "publish": {"allow": allow, "deny": deny},
-        "subscribe": {"allow": [f"{prefix}.>", f"_INBOX_{prefix}.>"]},
+        "subscribe": {"allow": [f"{prefix}.>", f"_INBOX_{prefix}.>"], "deny": services_denied},
         "allow_responses": True,
     }
 
@@ -170,13 +266,14 @@ class SharedUsers:
 
     def config(self) -> str:
         users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
-        streams, services = course_streams(), course_service_subjects()
+        streams, services, durables = course_streams(), course_service_subjects(), course_durables()
+        platform = course_platform_streams()
         for slot in range(1, self.slots + 1):
             users.append(
                 {
                     "user": f"slot{slot:02d}",
                     "password": slot_password(self.admin_password, slot),
-                    "permissions": slot_permissions(slot, streams, services),
+                    "permissions": slot_permissions(slot, streams, services, durables, platform),
                 }
             )
         return "authorization " + json.dumps({"users": users}, indent=2) + "\n"

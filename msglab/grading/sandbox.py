@@ -22,6 +22,12 @@ process (no container engine, no user namespaces, which this course cannot count
 
 Learner files are copied into the run's own folder before they run, so a learner process
 never needs the course tree, and the graded copy cannot be swapped during the run.
+
+What a learner process inherits is allow-listed too: its environment (`learner_environment`: never
+the grader's secrets or an admin's NATS_URL), its import path (`learner_path`: the standard
+library, site-packages and its run's source folder, none of which its user can write) and what it
+may import (`seal_course`: not the graders, course services, demos or classroom tools, which hold
+the labs' answers and the services' internals).
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ import resource
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 MB = 1 << 20
 LIMITS = {  # per learner process
@@ -49,6 +57,92 @@ LIMITS = {  # per learner process
 NPROC = 64  # processes of the sandbox user, only with a uid of its own
 UID_RANGE = (3_000_000, 3_999_999)  # no account uses these; a fresh one per run
 SIGNAL_LIMITS = {signal.SIGXCPU: "CPU time", signal.SIGXFSZ: "file size"}
+
+
+# What a learner process's environment may hold, whatever the grader's holds (CI tokens, admin URLs).
+LEARNER_ENV = frozenset(
+    {
+        "MSGLAB_GRADER", "MSGLAB_ROLE", "MSGLAB_SOURCE", "MSGLAB_RUN_ID", "MSGLAB_INBOX", "MSGLAB_PREFIX",
+        "MSGLAB_PARAMS", "MSGLAB_FX_FD", "NATS_URL", "HOME", "TMPDIR", "PATH", "LANG", "TZ",
+        "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+    }
+)  # fmt: skip
+NURSERY_ENV = frozenset({"PATH", "LANG", "TZ"})  # the nursery needs no msglab variable: spawns bring theirs
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+# The course's own code that learner code may not import: graders hold the labs' references,
+# course services their internals (msglab.grading's runner, labkit and effects stay importable).
+SEALED = ("msglab.graders", "msglab.world", "msglab.demos", "msglab.classroom")
+
+
+def _allowed(name: str, allowed: frozenset[str]) -> bool:
+    return name in allowed or name.startswith("LC_")
+
+
+def learner_environment(env: dict[str, str]) -> dict[str, str]:
+    """Only the variables a learner process needs, from what the grader passes (never an admin's URL)."""
+    from msglab.broker.users import LEARNER, LEARNER_INBOX, admin_password_of
+
+    kept = {name: value for name, value in env.items() if _allowed(name, LEARNER_ENV)}
+    url = kept.get("NATS_URL", "")
+    if admin_password_of(url):
+        del kept["NATS_URL"]
+    elif urlsplit(url.split(",")[0].strip()).username == LEARNER and not kept.get("MSGLAB_INBOX"):
+        kept["MSGLAB_INBOX"] = LEARNER_INBOX  # a run's own server: the learner user reads only this inbox
+    kept.setdefault("PATH", DEFAULT_PATH)
+    return kept
+
+
+def nursery_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the nursery is executed with: every learner process can read it (/proc/self/environ)."""
+    kept = {name: value for name, value in (os.environ if env is None else env).items() if _allowed(name, NURSERY_ENV)}
+    kept.setdefault("PATH", DEFAULT_PATH)
+    return kept
+
+
+def learner_path(source_folder: str) -> list[str]:
+    """A learner process's sys.path: its run's source folder, then the standard library and site-packages."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    stdlib = {os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib")}
+    packages = {os.path.realpath(paths[key]) for key in ("purelib", "platlib")}
+    packages |= {os.path.realpath(folder) for folder in site.getsitepackages()}
+    zipped = {os.path.dirname(folder) for folder in stdlib}  # the zipped stdlib sits beside it
+    kept = [source_folder]
+    for entry in sys.path:
+        real = os.path.realpath(entry) if entry else ""
+        wanted = real in stdlib | packages or os.path.dirname(real) in stdlib  # lib-dynload sits inside
+        if (wanted or (real.endswith(".zip") and os.path.dirname(real) in zipped)) and entry not in kept:
+            kept.append(entry)
+    return kept
+
+
+def _sealed(name: str) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in SEALED)
+
+
+class _SealedFinder:
+    """A meta-path finder that refuses the course's sealed packages."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if _sealed(name):
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (the course's own code is not for learner code)", name=name
+            )
+        return None
+
+
+def seal_course() -> None:
+    """Make the sealed packages unimportable in this process (call after the runner holds its grader)."""
+    for name in [name for name in sys.modules if _sealed(name)]:
+        del sys.modules[name]
+    package = sys.modules.get("msglab")
+    for name in SEALED:  # `import msglab; msglab.graders` would reach them through the parent's attributes
+        if package is not None:
+            package.__dict__.pop(name.rsplit(".", 1)[1], None)
+    if not any(isinstance(finder, _SealedFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SealedFinder())
 
 
 def _prctl_death_signal(sig: int) -> None:
@@ -101,7 +195,72 @@ class Sandbox:
             kill = shutil.which("kill") or "/bin/kill"
             subprocess.run([kill, "-9", "-1"], user=self.uid, group=self.uid, extra_groups=[],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)  # fmt: skip
-        return kill_tagged(self.run_id)
+        found = kill_tagged(self.run_id)
+        if self.uid is not None:  # its processes are gone: nothing can make more
+            sweep_files(self.uid)
+            sweep_ipc(self.uid)
+        return found
+
+
+# Where any user may create files outside its run folder (world-writable, or so on most systems).
+SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock")
+
+
+def sweep_files(uid: int, roots: tuple[str, ...] = SCRATCH) -> list[str]:
+    """Remove every file, folder, FIFO or socket `uid` owns in the scratch folders; return their paths.
+
+    A user with no groups can create entries only in folders it owns (removed whole) or in
+    world-writable ones, so only those are searched: the walk stays short however full /tmp is.
+    """
+    removed: list[str] = []
+    folders = [root for root in roots if os.path.isdir(root)]
+    while folders:
+        folder = folders.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            is_folder = stat.S_ISDIR(info.st_mode)
+            if info.st_uid == uid:
+                with contextlib.suppress(OSError):
+                    if is_folder:
+                        shutil.rmtree(entry.path)  # never follows a symlink out of the folder
+                    else:
+                        os.unlink(entry.path)
+                    removed.append(entry.path)
+            elif is_folder and info.st_mode & stat.S_IWOTH:
+                folders.append(entry.path)
+    return removed
+
+
+IPC_RMID = 0
+
+
+def sweep_ipc(uid: int) -> list[str]:
+    """Remove every System V shared-memory segment, semaphore set and message queue `uid` created or owns."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    removed = []
+    # /proc/sysvipc/<kind>: the id, then the owner's and creator's uid at these columns
+    for kind, remove, uid_columns in (
+        ("shm", lambda ident: libc.shmctl(ident, IPC_RMID, None), (7, 9)),
+        ("sem", lambda ident: libc.semctl(ident, 0, IPC_RMID), (4, 6)),
+        ("msg", lambda ident: libc.msgctl(ident, IPC_RMID, None), (7, 9)),
+    ):
+        try:
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            owners = {int(fields[column]) for column in uid_columns if column < len(fields)}
+            if uid in owners and remove(int(fields[1])) == 0:
+                removed.append(f"{kind} {fields[1]}")
+    return removed
 
 
 def unreachable_for_others() -> str:

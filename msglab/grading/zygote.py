@@ -1,12 +1,21 @@
 """Fork servers for grading runs: a nursery per grading process, a zygote per run.
 
 Python's start-up and `import nats` cost most of a learner process's CPU, paid once per process.
-So a grading process starts one nursery (`python -m msglab.grading.zygote NURSERY_FD`), a fresh
+So a grading process starts one nursery (`python -I`, in `/`, running `main` below), a fresh
 interpreter that imports nats, the runner and each grader module once and holds no secret of the
 grader's. For each run it forks a zygote; for each spawn the zygote forks a learner process, which
 gets its pipes and effect socket over the run's control socket (SCM_RIGHTS), confines itself
 (msglab.grading.sandbox) and runs msglab.grading.runner. A verdict thus costs two forks, not an
 interpreter, and a class graded by one worker pays the imports once.
+
+Every learner process is a fork of the nursery, so what the nursery holds, learner code can read:
+its initial environment (/proc/<pid>/environ, set at exec), its `sys.path`, its imported modules.
+Hence the nursery is started isolated (`-I`: no working directory or PYTHON* variables on the
+path, no user site) with an allow-listed environment (`nursery_environment`), each spawn's
+environment is allow-listed on the grader's side before it is sent (`learner_environment`), and
+the learner process gets a `sys.path` of the standard library, site-packages and its run's source
+folder only, and cannot import the course's graders, services, demos or classroom tools
+(`sandbox.seal_course`).
 
 The zygote is the run's container: it is a child subreaper, so every process the learner's code
 starts, even one that double-forks into a session of its own, stays its descendant; when the grader
@@ -41,10 +50,24 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+from msglab.grading.sandbox import Sandbox, learner_environment, learner_path, nursery_environment, seal_course
 
 PR_SET_CHILD_SUBREAPER = 36
 FX_FD = 3  # where a learner process finds its effect socket
+ROOT = Path(__file__).resolve().parents[2]  # the folder holding the msglab package
+# The nursery's start: msglab from site-packages (an installed or editable course), else from ROOT
+# appended after the standard library and site-packages (so it can shadow none of them).
+_BOOT = """import sys
+try:
+    import msglab
+except ImportError:
+    sys.path.append(sys.argv[2])
+from msglab.grading.zygote import main
+main()
+"""
 
 
 def _prctl(option: int, value: int) -> None:
@@ -101,7 +124,6 @@ def _reap(ctl: socket.socket | None, ours: set[int] | None = None) -> None:
 def _become_learner(spec: dict[str, object], fds: list[int], ctl: socket.socket) -> None:
     """In the forked child: take the pipes, confine, and run the learner's role. Never returns."""
     from msglab.grading import runner
-    from msglab.grading.sandbox import Sandbox
 
     try:
         os.setsid()
@@ -111,11 +133,23 @@ def _become_learner(spec: dict[str, object], fds: list[int], ctl: socket.socket)
         for target, fd in enumerate(lifted):  # stdin, stdout, stderr, effect socket -> 0, 1, 2, FX_FD
             os.dup2(fd, target)
         os.closerange(FX_FD + 1, 65536)  # nothing of the zygote's or another child's stays open
-        env = dict(spec["env"])  # type: ignore[call-overload]
+        env = learner_environment(dict(spec["env"]))  # type: ignore[call-overload]
         env["MSGLAB_FX_FD"] = str(FX_FD)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(str(spec["cwd"]))
+        sys.path[:] = learner_path(os.path.dirname(env.get("MSGLAB_SOURCE", "")) or "/nonexistent")
+        sys.path_importer_cache.clear()
+        sys.dont_write_bytecode = True  # never a __pycache__ in the learner's folder
+        # The runner imports its grader first, then the learner's file: the course's own code is
+        # sealed in between (runner.main calls load_learner after resolving the grader's roles).
+        load = runner.load_learner
+
+        def sealed_load(path: str) -> Any:
+            seal_course()
+            return load(path)
+
+        runner.load_learner = sealed_load
         uid = spec.get("uid")
         Sandbox(run_id=str(env.get("MSGLAB_RUN_ID", "")), uid=uid if isinstance(uid, int) else None).preexec()
         random.seed()  # a fork copies the random state; every process must draw its own
@@ -283,9 +317,12 @@ class Nursery:
         try:
             # No PDEATHSIG: it would fire when the thread that started the nursery ends. The socket's
             # end, closed by the kernel with this process, is what ends the nursery.
+            # Isolated (-I), in /, with an allow-listed environment: nothing the grader's working
+            # directory or environment holds reaches the nursery, whose memory every learner inherits.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "msglab.grading.zygote", str(theirs.fileno())],
+                [sys.executable, "-I", "-c", _BOOT, str(theirs.fileno()), str(ROOT)],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+                cwd="/", env=nursery_environment(),
             )  # fmt: skip
         finally:
             theirs.close()
@@ -410,7 +447,9 @@ class Zygote:
         if self._reader is None or self._reader.done():
             answer.set_result(0)  # the zygote is gone: nobody would answer
         try:
-            message = json.dumps({"spawn": {"env": env, "cwd": cwd, "uid": uid}, "id": self._next_spawn}).encode()
+            # Allow-listed here, so the grader's other variables never reach the zygote's memory either.
+            spawn = {"env": learner_environment(env), "cwd": cwd, "uid": uid}
+            message = json.dumps({"spawn": spawn, "id": self._next_spawn}).encode()
             socket.send_fds(self.sock, [message], child_fds)
         finally:
             for fd in (stdin_r, stdout_w, stderr_w):

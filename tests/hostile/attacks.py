@@ -8,7 +8,21 @@ the pid of a process that must not outlive the verdict, or how an attempt on the
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+# Marks live outside /tmp, /var/tmp and /dev/shm: a run's sweep removes whatever its user left there.
+MARKS = Path(__file__).resolve().parents[2] / "var" / "hostile-marks"
+
+
+def mark_folder(prefix: str) -> Path:
+    """A fresh folder the learner's own user may write, which no run's sweep empties."""
+    MARKS.mkdir(mode=0o755, parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=MARKS))
+    folder.chmod(0o777)  # the learner's own user must be able to write here
+    return folder
+
 
 PRELUDE = '''
 
