@@ -201,21 +201,38 @@ class ProviderStore:
         return reply
 
 
+async def _respond(msg: Any, reply: dict[str, Any]) -> None:
+    """Answer a request; a message with no reply subject, or a requester gone, is simply dropped."""
+    with contextlib.suppress(Exception):
+        await msg.respond(json.dumps(reply).encode())
+
+
 async def _subscribe(nc: Any, store: ProviderStore, behaviour: Behaviour, prefix: str) -> list[Any]:
+    # Whatever arrives is someone else's bytes: nothing in them may raise inside the provider (a
+    # traceback in the grader's process, or a grading error blamed on the course). A message nobody
+    # waits for (no reply subject) is dropped before any work, so a flood of them costs next to nothing.
     async def on_send(msg: Any) -> None:
+        if not msg.reply:
+            return
         try:
             email = json.loads(msg.data)
         except ValueError:
             email = None
-        await msg.respond(json.dumps(store.handle(behaviour, email)).encode())
+        try:
+            reply = store.handle(behaviour, email)
+        except Exception as exc:
+            reply = {"error": f"400 Bad Request: {type(exc).__name__}", "status": 400}
+        await _respond(msg, reply)
 
     async def on_control(msg: Any) -> None:
+        if not msg.reply:
+            return
         try:
             request = json.loads(msg.data or b"{}")
             reply: dict[str, Any] = behaviour.control(**request)
-        except (ValueError, KeyError, TypeError) as exc:
-            reply = {"error": f"bad control request: {exc!r}"}
-        await msg.respond(json.dumps(reply).encode())
+        except Exception as exc:
+            reply = {"error": f"bad control request: {exc!r}"[:300]}
+        await _respond(msg, reply)
 
     subs = [await nc.subscribe(f"{prefix}.send", cb=on_send), await nc.subscribe(f"{prefix}.control", cb=on_control)]
     from msglab.broker import settle_subscriptions

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import secrets
 import select
@@ -248,8 +249,18 @@ def _error_reply(exc: GatewayError) -> dict[str, Any]:
     return {"error": str(exc), "status": exc.status, "code": exc.code}
 
 
+async def _respond(msg: Any, reply: dict[str, Any]) -> None:
+    """Answer a request; a message with no reply subject, or a requester gone, is simply dropped."""
+    with contextlib.suppress(Exception):
+        await msg.respond(json.dumps(reply).encode())
+
+
 async def _subscribe(nc: Any, store: GatewayStore, prefix: str) -> list[Any]:
-    """Answer `<prefix>.charge`, `<prefix>.search` and `<prefix>.test_clock` on nc; returns the subscriptions."""
+    """Answer `<prefix>.charge`, `<prefix>.search` and `<prefix>.test_clock` on nc; returns the subscriptions.
+
+    Whatever arrives is someone else's bytes: a request the gateway cannot parse gets an error reply,
+    never an exception inside the gateway, and a message with no reply subject is dropped unread.
+    """
     running: set[asyncio.Task[None]] = set()
 
     async def charge_one(msg: Any) -> None:
@@ -262,11 +273,15 @@ async def _subscribe(nc: Any, store: GatewayStore, prefix: str) -> list[Any]:
             reply = await store.charge(str(body["account"]), int(body["cents"]), reference, key)
         except GatewayError as exc:
             reply = _error_reply(exc)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            reply = _error_reply(GatewayError(f"bad charge request: {exc!r}; send JSON with account and cents"))
-        await msg.respond(json.dumps(reply).encode())
+        except Exception as exc:
+            reply = _error_reply(
+                GatewayError(f"bad charge request: {exc!r}"[:300] + "; send JSON with account and cents")
+            )
+        await _respond(msg, reply)
 
     async def on_charge(msg: Any) -> None:
+        if not msg.reply:
+            return
         # Each request runs as a task of its own, as on a real server: requests overlap in time, so two
         # with one key can meet while the first is in flight (the key's state, not luck, decides).
         task = asyncio.ensure_future(charge_one(msg))
@@ -274,18 +289,28 @@ async def _subscribe(nc: Any, store: GatewayStore, prefix: str) -> list[Any]:
         task.add_done_callback(running.discard)
 
     async def on_search(msg: Any) -> None:
+        if not msg.reply:
+            return
         try:
             reference = json.loads(msg.data or b"{}")["reference"]
             if not isinstance(reference, str) or not reference:
                 raise TypeError(f"reference must be a non-empty string, got {reference!r}")
             reply: dict[str, Any] = {"charges": store.search(reference), "lag": store.search_lag}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            reply = _error_reply(GatewayError(f"bad search request: {exc!r}; send JSON with a reference"))
-        await msg.respond(json.dumps(reply).encode())
+        except Exception as exc:
+            reply = _error_reply(GatewayError(f"bad search request: {exc!r}"[:300] + "; send JSON with a reference"))
+        await _respond(msg, reply)
 
     async def on_clock(msg: Any) -> None:
-        seconds = float(json.loads(msg.data or b"{}").get("seconds", 0))
-        await msg.respond(json.dumps({"offset": store.advance(seconds)}).encode())
+        if not msg.reply:
+            return
+        try:
+            seconds = float(json.loads(msg.data or b"{}").get("seconds", 0))
+            if not math.isfinite(seconds) or seconds < 0:
+                raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+            reply: dict[str, Any] = {"offset": store.advance(seconds)}
+        except Exception as exc:
+            reply = _error_reply(GatewayError(f"bad test_clock request: {exc!r}"[:300]))
+        await _respond(msg, reply)
 
     subs = [
         await nc.subscribe(f"{prefix}.charge", cb=on_charge),
@@ -429,7 +454,7 @@ class GatewayView:
         """Move the gateway's test clock forward; returns its total offset in seconds."""
         body = json.dumps({"seconds": hours * 3600 + seconds}).encode()
         reply = await nc.request(f"{self.prefix}.test_clock", body, timeout=2)
-        return float(json.loads(reply.data)["offset"])
+        return float(_answer(json.loads(reply.data))["offset"])
 
     async def search(self, nc: Any, reference: str) -> list[dict[str, Any]]:
         """Ask the gateway's search (over NATS, so with its lag) for the charges of one reference."""
