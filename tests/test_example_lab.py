@@ -4,12 +4,14 @@ docstring names, with the words its `Says:` lines require."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 
 from msglab.catalog import all_labs, course_root, load_lab
+from msglab.grading import contract
 from msglab.grading.grade import grade
 
 EXAMPLE = load_lab(course_root() / "examples" / "00_echo")
@@ -17,9 +19,10 @@ SEEDS = (1, 2)
 VARIANTS = sorted((EXAMPLE.folder / "variants").glob("*.py"))
 
 
-def test_the_example_is_not_part_of_the_course() -> None:
+def test_the_example_is_not_part_of_the_course_but_keeps_the_grader_contract() -> None:
     assert EXAMPLE.name not in {lab.name for lab in all_labs()}
     assert EXAMPLE.grader_module == "msglab.grading.example"
+    assert contract.problems(importlib.import_module(EXAMPLE.grader_module)) == []
 
 
 @pytest.mark.parametrize("seed", SEEDS)

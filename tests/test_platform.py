@@ -102,3 +102,14 @@ def test_a_long_trace_keeps_its_start_and_its_end() -> None:
 def test_counts_read_as_words() -> None:
     assert rules.plural(1, "invoice") == "1 invoice" and rules.plural(3, "invoice") == "3 invoices"
     assert rules.an("ack") == "an ack" and rules.an("nak") == "a nak"
+
+
+def test_a_planned_fault_that_is_not_a_crash_must_fire_too() -> None:
+    refusal = rules.Planned("make the DLQ stream refuse your first dead letter", "publish it with JetStream")
+    refusal.seen = "worker 7 published no dead letter"
+    check = rules.faults_check([], [refusal])
+    assert check.name == "faults_fired" and not check.passed
+    assert "refuse your first dead letter, but worker 7 published no dead letter" in check.message
+    assert check.hint == "publish it with JetStream"
+    refusal.fired = True
+    assert rules.faults_check([], [refusal]).passed

@@ -252,6 +252,7 @@ class Run:
         self.ready_timeout = ready_timeout
         self.log = EffectLog()
         self.handlers: dict[str, EffectHandler] = {}
+        self.planned: list[rules.Planned] = []  # planned faults other than crashes (rule 1 checks them too)
         self.server: EmbeddedServer | None = None
         self.children: list[Child] = []
         self.tasks: list[asyncio.Task[Any]] = []
@@ -607,7 +608,7 @@ class Run:
 
     def faults_check(self) -> Check:
         """Rule 1 (msglab.grading.rules.faults_check) over this run's processes."""
-        return rules.faults_check(self.children)
+        return rules.faults_check(self.children, self.planned)
 
     def deaths_check(self) -> Check:
         """Rule 3 (msglab.grading.rules.deaths_check) over this run's processes."""

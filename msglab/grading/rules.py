@@ -66,26 +66,48 @@ def how_ended(child: Child) -> str:
 FAULTS_TITLE = "every planned crash happened (the grader could test what your code does after one)"
 
 
-def faults_check(children: Iterable[Child]) -> Check:
-    """Rule 1: every planned crash fired; a run whose faults did not happen cannot pass.
+@dataclass
+class Planned:
+    """A planned fault that is not a crash (a stream that refuses a publish, a service that stalls).
+
+    The grader appends it to `run.planned` when it plans it and sets `fired` when it happened;
+    `seen` says what the code did instead, for the verdict (set it when the fault did not fire).
+    """
+
+    what: str  # what the grader planned, e.g. "make the DLQ stream refuse your first dead letter"
+    hint: str
+    fired: bool = False
+    seen: str = ""  # e.g. "worker 4321 published no dead letter with JetStream"
+
+
+def faults_check(children: Iterable[Child], planned: Iterable[Planned] = ()) -> Check:
+    """Rule 1: every planned crash (and every other planned fault) fired; a run whose faults did not
+    happen cannot pass.
 
     Worded from the Crash's own labels (`Crash.point`, `Crash.counted`, `Crash.hint`), so a lab
     says "on the invoice it sent #2" instead of the effect the grader counts internally.
     """
     missing = [(c, f) for c in children for f in c.faults if f not in c.fired]
-    if not missing:
+    other = next((p for p in planned if not p.fired), None)
+    if not missing and other is None:
         return Check(FAULTS_FIRED, FAULTS_TITLE, True)
+    if not missing and other is not None:
+        message = (
+            f"the grader planned to {other.what}{', but ' + other.seen if other.seen else ''}. Without the fault"
+            " this run proves nothing about surviving it, so it cannot pass."
+        )
+        return Check(FAULTS_FIRED, FAULTS_TITLE, False, message, hint=other.hint)
     child, crash = missing[0]
     made = child.calls.get(crash.effect, 0)
     how = f" and then {how_ended(child) if crash.point else child.how_it_ended()}" if child.unplanned else ""
     if crash.point:
-        planned = f"the grader planned to kill your {child.role.replace('_', ' ')} process {child.pid} {crash.point}"
+        intent = f"the grader planned to kill your {child.role.replace('_', ' ')} process {child.pid} {crash.point}"
         counted = plural(made, crash.counted or f"{crash.effect} call")
     else:
-        planned = f"the grader planned to {crash.describe()} in your {child.role} process {child.pid}"
+        intent = f"the grader planned to {crash.describe()} in your {child.role} process {child.pid}"
         counted = f"{made} {crash.effect} call(s)"
     message = (
-        f"{planned}, but that process made only {counted}{how}. Without the crash this run proves nothing about"
+        f"{intent}, but that process made only {counted}{how}. Without the crash this run proves nothing about"
         " surviving one, so it cannot pass."
     )
     hint = crash.hint or (
