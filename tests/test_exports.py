@@ -176,4 +176,10 @@ def test_a_class_from_gradescopes_export_gets_a_wide_gradebook_with_its_people_a
     rows = {row.learner: row for row in result.rows}
     assert rows["1001"].seed == seed_for("1001", two.name, result.salt)
     again = grade_class(export, labs=[two], out=tmp_path / "out", jobs=1, progress=False, learners=["1001"])
-    assert again.salt == result.salt and again.rows[0].seed == rows["1001"].seed, "the same --out keeps its salt"
+    regraded = {row.learner: row for row in again.rows}
+    assert again.salt == result.salt and regraded["1001"].seed == rows["1001"].seed, "the same --out keeps its salt"
+    # A subset regrade merges into the gradebook: the learner not graded again keeps their row.
+    assert regraded["1002+1003"].result == rows["1002+1003"].result
+    with open(tmp_path / "out" / "grades.csv", newline="") as handle:
+        assert [row["learner"] for row in csv.DictReader(handle)] == ["1001", "1002+1003"]
+    assert any("kept 1 earlier verdict" in note for note in again.notes)

@@ -65,10 +65,22 @@ def test_results_json_has_gradescopes_fields_and_adds_up() -> None:
     assert "msglab check 01 --seed 42" in results["output"] and "missing: no orders.py" in results["output"]
     for test in results["tests"]:
         assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility", "number"}
-        assert test["visibility"] == "after_due_date"
-    failed = next(t for t in results["tests"] if t["name"].endswith("no order is emailed twice"))
+        sanity = test["number"].endswith(".0")  # whether the file was found and ran: always visible
+        assert test["visibility"] == ("visible" if sanity else "after_due_date")
+    failed = next(t for t in results["tests"] if t["name"] == "lab 01 · b")  # by check id: stable
     assert (failed["score"], failed["max_score"], failed["status"]) == (0.0, 1.0, "failed")
+    assert failed["output"].startswith("no order is emailed twice")
     assert "o-3 was emailed twice" in failed["output"] and "hint: ack after" in failed["output"]
+    # Every lab's tests have the same names and numbers whatever happened; the sanity test is always visible.
+    graded, missing = (results["tests"][i * 4 : i * 4 + 4] for i in range(2))
+    assert (
+        [t["name"] for t in graded]
+        == [t["name"] for t in missing]
+        == ["lab 01 · orders.py found, runs, and is your own", "lab 01 · a", "lab 01 · b", "lab 01 · faults fired"]
+    )
+    assert [t["number"] for t in graded] == ["01.0", "01.1", "01.2", "01.3"]
+    assert graded[0]["visibility"] == missing[0]["visibility"] == "visible"
+    assert (graded[0]["status"], missing[0]["status"]) == ("passed", "failed")
     assert sum(t["score"] for t in results["tests"]) == results["score"]
     json.dumps(results)  # plain JSON
 
@@ -142,3 +154,19 @@ def test_the_autograder_bundle_runs_in_a_platform_shaped_folder(
                          timeout=300)  # fmt: skip
     nothing = json.loads((platform / "results" / "results.json").read_text())
     assert run.returncode == 0 and nothing["score"] == 0 and "missing: no orders.py" in nothing["output"]
+
+
+def test_results_json_is_written_even_when_grading_itself_fails(tmp_path: Path) -> None:
+    from msglab.classroom.gradescope import main
+
+    (tmp_path / "config.json").write_text('{"labs": ["no_such_lab"]}')
+    results = tmp_path / "results" / "results.json"
+    assert main(["--submission", str(tmp_path), "--results", str(results), "--config", str(tmp_path / "config.json"),
+                 "--metadata", str(tmp_path / "none.json")]) == 0  # fmt: skip
+    written = json.loads(results.read_text())
+    assert written["score"] == 0.0 and "could not grade this submission (not your fault" in written["output"]
+    (tmp_path / "config.json").write_text("{not json")
+    assert (
+        main(["--submission", str(tmp_path), "--results", str(results), "--config", str(tmp_path / "config.json")]) == 0
+    )
+    assert "could not grade" in json.loads(results.read_text())["output"]

@@ -7,6 +7,7 @@ command returns its exit code; errors are MsglabError (the CLI prints them, exit
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ def _autograder(args: argparse.Namespace) -> int:
         wheels = fetch_wheels(Path(args.out) / "wheels", grader_requirements(), platform=args.platform)
     archive = build_bundle(Path(args.out), labs, wheelhouse=wheels, visibility=args.visibility, salt=args.salt)
     print(f"Gradescope autograder for labs {', '.join(lab.number for lab in labs)}: {archive}")
+    config = json.loads((Path(args.out) / "autograder" / "msglab-autograder.json").read_text())
+    print(f"  seeds salted with {config['salt']!r}: regrade elsewhere with `msglab grade --salt {config['salt']}`")
     print("  upload it as the assignment's autograder (base image: Ubuntu 24.04); learners submit their lab files")
     return 0
 
@@ -189,7 +192,7 @@ def register(subparsers: Any) -> None:
         "--platform", default="manylinux_2_28_x86_64", help="the image's platform for --fetch-wheels"
     )
     autograder.add_argument("--visibility", default="visible", help="visible, hidden, after_due_date, after_published")
-    autograder.add_argument("--salt", default="", help="mixed into every seed (as `msglab grade --salt`)")
+    autograder.add_argument("--salt", default=None, help="mixed into every seed (default: a new random one)")
     autograder.set_defaults(func=_autograder)
 
     join = subparsers.add_parser("join", help="use your account on the classroom server (details from your instructor)")

@@ -168,13 +168,14 @@ def solution_references(root: Path | None = None) -> list[Reference]:
 
 def build_edition(out: Path, root: Path | None = None, *, strict: bool = True, git: bool = True,
                   replace: bool = False, allow_dirty: bool = False, code_hints: bool = False,
-                  check_starters: bool = False) -> Edition:  # fmt: skip
+                  check_starters: bool = False, own: bool = True) -> Edition:  # fmt: skip
     """Write the learner edition of the course at `root` (its last commit) into `out`.
 
     strict: refuse (ReleaseError, nothing written) when a lesson or lab mentions the solutions.
     replace: `out` may hold an earlier edition, which is removed first (never any other folder).
     allow_dirty: release the commit although the working tree differs from it (the differences are listed).
     code_hints: keep the hints' code level. check_starters: refuse when a starter passes its lab.
+    own: write the edition's own README, Makefile, tests and workflow (not for a grader's copy of the course).
     """
     root = (root or course_root()).resolve()
     out = out.resolve()
@@ -203,7 +204,8 @@ def build_edition(out: Path, root: Path | None = None, *, strict: bool = True, g
                 if PurePosixPath(name).name in ("lab.toml", "hints.toml"):
                     path = staging / name
                     path.write_text(strip_code_hints(path.read_text(encoding="utf-8"), name), encoding="utf-8")
-        files += own_files(staging, source, code_hints)
+        if own:
+            files += own_files(staging, source, code_hints)
         labs = sorted({PurePosixPath(n).parts[1] for n in files if n.startswith("labs/") and n.endswith("/lab.toml")})
         (staging / MARKER).write_text(
             "# The learner edition of msglab, written by `msglab release`: no solutions/, no tests/.\n"

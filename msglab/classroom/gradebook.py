@@ -214,9 +214,35 @@ def grade_class(
         startup = _run(pending, points, jobs, progress, stream, out / "workers.log")
     finally:
         shutil.rmtree(stage_root, ignore_errors=True)
-    result = ClassResult(rows, out, jobs, time.perf_counter() - started, found.notes, startup, salt, found.people)
+    graded = {(row.learner, row.lab.name) for row in rows}
+    earlier = [row for row in earlier_rows(out) if (row.learner, row.lab.name) not in graded]
+    notes = found.notes + ([f"kept {len(earlier)} earlier verdict(s) from {out} (not graded again this time)"]
+                           if earlier else [])  # fmt: skip
+    result = ClassResult(sorted(rows + earlier, key=lambda r: (r.learner, r.lab.name)), out, jobs,
+                         time.perf_counter() - started, notes, startup, salt, found.people)  # fmt: skip
     write_outputs(result, points)
     return result
+
+
+def earlier_rows(out: Path) -> list[Row]:
+    """The rows an earlier `msglab grade` wrote into `out` (verdicts/<learner>/<lab>.json): a subset regrade keeps them.
+
+    A lab no longer in the course, or a record that cannot be read, is left out.
+    """
+    rows = []
+    for path in sorted(out.glob("verdicts/*/*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            lab = find_lab(record["lab"])
+            verdict = Verdict.from_json(json.dumps(record["verdict"])) if record.get("verdict") else None
+            failed = [check.name for check in verdict.failures] if verdict else []
+            result = Score(record["score"], float(record["max"]), bool(record["passed"]), failed, record["status"],
+                           record.get("note", ""))  # fmt: skip
+            rows.append(Row(record["learner"], lab, record.get("seed"), record.get("where", ""), result, verdict,
+                            float(record.get("seconds", 0.0)), float(record.get("cpu", 0.0))))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, MsglabError):
+            continue
+    return rows
 
 
 def _saved_salt(out: Path) -> str:

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -127,8 +128,12 @@ def fetch_wheels(dest: Path, requirements: list[str], *, platform: str | None = 
 
 
 def build_bundle(out: Path, labs: list[Lab], *, wheelhouse: Path | None = None, visibility: str = "visible",
-                 salt: str = "") -> Path:  # fmt: skip
-    """Write the autograder folder and its zip into `out`; return the zip's path."""
+                 salt: str | None = None) -> Path:  # fmt: skip
+    """Write the autograder folder and its zip into `out`; return the zip's path.
+
+    salt: mixed into every seed (None: a new random one, written into msglab-autograder.json).
+    """
+    salt = salt if salt is not None else secrets.token_hex(6)
     from msglab.classroom.edition import build_edition
 
     if visibility not in VISIBILITY:
@@ -138,7 +143,8 @@ def build_bundle(out: Path, labs: list[Lab], *, wheelhouse: Path | None = None, 
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     # The grader's own course, never shown to learners: every hint level, and the instructor's tree as committed.
-    build_edition(folder / "course", strict=False, git=False, allow_dirty=True, code_hints=True)
+    build_edition(folder / "course", strict=False, git=False, allow_dirty=True, code_hints=True, own=False)
+    _keep_package_data(folder / "course" / "pyproject.toml")
     for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
         (folder / name).write_text(text)
         (folder / name).chmod(0o755)
@@ -155,6 +161,18 @@ def build_bundle(out: Path, labs: list[Lab], *, wheelhouse: Path | None = None, 
                 info.compress_type = zipfile.ZIP_DEFLATED
                 zf.writestr(info, path.read_bytes())  # keeps the scripts' executable bits
     return archive
+
+
+def _keep_package_data(pyproject: Path) -> None:
+    """Installed not editable, the course must carry msglab's data files too (grading/hints.toml, ...).
+
+    setuptools installs only modules unless told: until the course's pyproject.toml says so itself,
+    the bundle's copy of it does.
+    """
+    text = pyproject.read_text(encoding="utf-8")
+    if "package-data" not in tomllib.loads(text).get("tool", {}).get("setuptools", {}):
+        pyproject.write_text(text + '\n[tool.setuptools.package-data]\nmsglab = ["**/*.toml", "**/*.json"]\n',
+                             encoding="utf-8")  # fmt: skip
 
 
 # --- inside the platform ------------------------------------------------------------------------
@@ -236,31 +254,39 @@ def results_json(records: list[dict[str, Any]], visibility: str = "visible", sec
 
 
 def _lab_tests(lab: Lab, points: LabPoints, result: Score, verdict: Verdict | None, visibility: str) -> list[dict]:
+    """One sanity test (the file was found, ran, was changed: always visible) and one test per check, in
+    lab.toml's order, named by check id: the same names and numbers on every submission, whatever happened."""
     tag = f"lab {lab.number}"
 
-    def test(name: str, earned: float, maximum: float, passed: bool, text: str = "", check: str = "") -> dict:
-        return {"name": f"{tag} · {name}", "number": f"{lab.number}.{len(tests) + 1}", "score": earned,
+    def test(number_: str, name: str, earned: float, maximum: float, passed: bool, text: str = "", check: str = "",
+             shown: str = visibility) -> dict:  # fmt: skip
+        return {"name": f"{tag} · {name}", "number": f"{lab.number}.{number_}", "score": earned,
                 "max_score": maximum, "status": "passed" if passed else "failed", "output": text,
-                "visibility": visibility, "tags": [lab.name, *([check] if check else [])]}  # fmt: skip
+                "visibility": shown, "tags": [lab.name, *([check] if check else [])]}  # fmt: skip
 
-    tests: list[dict[str, Any]] = []
     checks = {c.name: c for c in verdict.checks} if verdict else {}
+    sanity = f"{lab.file} found, runs, and is your own"
     if result.status in ("missing", "grader error"):
         why = result.note if result.status == "missing" else f"the autograder failed (regraded later): {result.note}"
-        tests.append(test(f"{lab.file} graded", 0.0, 0.0, False, why))
+        first = test("0", sanity, 0.0, 0.0, False, why, shown="visible")
     elif result.status == "did not run":
         failure = next(c for c in verdict.failures if c.name in DID_NOT_RUN) if verdict else None
-        tests.append(test(failure.title if failure else "your file runs", 0.0, 0.0, False,
-                          _check_text(failure) if failure else result.note))  # fmt: skip
+        first = test("0", sanity, 0.0, 0.0, False, _check_text(failure) if failure else result.note, shown="visible")
     elif result.status == "starter":
-        tests.append(test("the starter, unchanged", points.starter_points, points.starter_points, False,
-                          f"{lab.file} is the starter as handed out: it scores {number(points.starter_points)} "
-                          "point(s), whatever its checks do"))  # fmt: skip
-    for check_id, worth in points.points.items():
+        first = test("0", sanity, 0.0, 0.0, False, f"{lab.file} runs the starter's code as handed out (comments and "
+                     f"layout aside): it scores {number(points.starter_points)} point(s), whatever its checks do",
+                     shown="visible")  # fmt: skip
+    else:
+        first = test("0", sanity, 0.0, 0.0, True, f"graded {lab.file}", shown="visible")
+    tests: list[dict[str, Any]] = [first]
+    if result.status == "starter" and points.starter_points:
+        first["score"] = first["max_score"] = points.starter_points
+    for index, (check_id, worth) in enumerate(points.points.items(), 1):
+        name = check_id.replace("_", " ")
         check = checks.get(check_id)
         if check is None:
             text = "not run: " + (result.note or "the lab's checks did not run")
-            tests.append(test(check_id.replace("_", " "), 0.0, worth, False, text, check_id))
+            tests.append(test(str(index), name, 0.0, worth, False, text, check_id))
             continue
         if result.status != "graded":
             earned = 0.0
@@ -269,10 +295,11 @@ def _lab_tests(lab: Lab, points: LabPoints, result: Score, verdict: Verdict | No
         else:
             earned = result.earned.get(check_id, 0.0)
         text = _check_text(check) if not check.passed else result.note if earned < worth else ""
-        tests.append(test(check.title, earned, worth, check.passed, text, check_id))
+        tests.append(test(str(index), name, earned, worth, check.passed, "\n".join(filter(None, [check.title, text])),
+                          check_id))  # fmt: skip
     if verdict is not None and verdict.output and not verdict.passed:
         text = "\n".join(verdict.output[-8:])
-        tests.append(test("what your code printed (last lines)", 0.0, 0.0, True, text))
+        tests.append(test("99", "what your code printed (last lines)", 0.0, 0.0, True, text))
     return tests
 
 
@@ -293,15 +320,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="msglab-autograder.json (labs, visibility, salt)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    config = json.loads(args.config.read_text()) if args.config and args.config.is_file() else {}
     try:
+        config = json.loads(args.config.read_text()) if args.config and args.config.is_file() else {}
         labs = [find_lab(name) for name in config.get("labs") or []] or all_labs()
         learner = learner_of(args.metadata)
         records = grade_submission(args.submission, labs, learner, str(config.get("salt", "")))
         results = results_json(records, str(config.get("visibility", "visible")), time.perf_counter() - started)
-    except MsglabError as exc:  # the course's fault: a result that says so, never a silent crash
-        results = {"score": 0.0, "output": f"the autograder could not grade this submission: {exc}",
-                   "visibility": "visible", "tests": []}  # fmt: skip
+    except Exception as exc:  # the course's fault (or its bug): a results.json that says so, never none at all
+        said = str(exc) if isinstance(exc, MsglabError) else f"{type(exc).__name__}: {exc}"
+        results = {"score": 0.0, "output": f"the autograder could not grade this submission (not your fault; it "
+                   f"will be regraded): {said}", "visibility": "visible", "tests": []}  # fmt: skip
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=2) + "\n")
     print(results["output"])
