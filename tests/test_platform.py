@@ -6,7 +6,9 @@ here is what holds for every lab at once.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+from typing import Any
 
 import pytest
 
@@ -113,3 +115,27 @@ def test_a_planned_fault_that_is_not_a_crash_must_fire_too() -> None:
     assert check.hint == "publish it with JetStream"
     refusal.fired = True
     assert rules.faults_check([], [refusal]).passed
+
+
+def test_two_durables_on_one_stream_are_two_topologies(server: Any) -> None:
+    # A lab with two durables (lab 01: email and loyalty) provisions each; the second add_stream,
+    # with the same configuration, is accepted by the server.
+    import msglab
+    from msglab.grading.labkit import Names
+    from msglab.grading.scaffold import Topology
+
+    email = Topology("PLATFORM_T", "t.>", "email", "t.placed", 0.4)
+    loyalty = Topology("PLATFORM_T", "t.>", "loyalty", "t.placed", 0.4)
+
+    async def body() -> list[str]:
+        nc, js = await msglab.connect(server.url)
+        try:
+            for topology in (email, loyalty):
+                await topology.provision(js, Names())
+            names = await js.consumers_info("PLATFORM_T")
+            await js.delete_stream("PLATFORM_T")
+            return sorted(c.name for c in names)
+        finally:
+            await nc.close()
+
+    assert asyncio.run(body()) == ["email", "loyalty"]
