@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,15 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from msglab.notebook.demo_process import DemoProcess
 from msglab.world.order_events import Event, Ledger, Report, apply, serve
 
 STREAM = "LESSON06_ORDERS"  # lesson06.orders.<key>, stored as lesson06.part.<p>.<key>
 ASIDE = "LESSON06_ASIDE"  # the dead-letter queue and the parked events of section 5
-STREAMS = (STREAM, ASIDE)
+STREAMS = (STREAM, ASIDE, "LESSON06_PINNED")
 INTAKE = "lesson06.orders.*"
 LEDGER = "lesson06.ledger.apply"
 ACK_WAIT = 2.0  # seconds; long enough that no event is redelivered in these runs unless a worker dies
-KILLED_ACK_WAIT = 0.5  # seconds: when a worker is killed, how soon the broker redelivers what it held
+SHORT_ACK_WAIT = 0.5  # seconds: how soon the broker redelivers what a killed or stalled worker held
 
 
 def transform(n: int) -> Any:
@@ -51,58 +51,38 @@ def transform(n: int) -> Any:
 # --- the worker processes ----------------------------------------------------------------------------
 
 
-class Worker:
+class Worker(DemoProcess):
     """One worker process, idle until `bind` names a durable; `unbind` stops it after its current event."""
 
-    def __init__(self, proc: Any, name: str) -> None:
-        self.proc = proc
+    def __init__(self, proc: Any, name: str = "") -> None:
+        super().__init__(proc)
         self.name = name
         self.durable: str | None = None
 
     @classmethod
     async def start(cls, name: str) -> Worker:
         from msglab.broker import server_url
-        from msglab.broker.server import die_with_parent
 
         config = {"url": server_url(), "stream": STREAM, "name": name, "ledger": LEDGER}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "msglab.demos.partition_keys", json.dumps(config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True,
-            preexec_fn=lambda: die_with_parent(signal.SIGKILL),
-        )  # fmt: skip
-        worker = cls(proc, name)
-        await worker._answer("ready", 30)
+        worker: Worker = await cls.spawn("msglab.demos.partition_keys", config)
+        worker.name = name
         return worker
 
-    async def _answer(self, expected: str, timeout: float = 10) -> None:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        if line.strip() != expected.encode():
-            self.kill()
-            raise RuntimeError(f"worker {self.name} said {line!r}, not {expected!r}")
-
-    async def bind(self, durable: str | None, hold: Event | None = None) -> None:
+    async def bind(self, durable: str | None, hold: Event | None = None, stall: float = 0.0) -> None:
         """Pull from `durable` (None: stop pulling); returns once the process has taken it. With `hold`, the
-        worker stops when it fetches that event, says "holding" and keeps it unacked (`until_holding`)."""
-        assert self.proc.stdin is not None
-        command = {"durable": durable, "hold": [hold.key, hold.seq] if hold else None}
-        self.proc.stdin.write((json.dumps(command) + "\n").encode())
-        await self.proc.stdin.drain()
-        await self._answer("ok")
+        worker stops when it fetches that event and says "holding" (`until_said`): with no `stall` it keeps
+        it unacked, telling the broker it is still on it, until it is killed; with `stall` it goes quiet for
+        that many seconds, then applies and acks it and says "done"."""
+        await self.say({"durable": durable, "hold": [hold.key, hold.seq] if hold else None, "stall": stall})
+        await self.expect("ok")
         self.durable = durable
 
-    async def until_holding(self, timeout: float = 30) -> None:
-        """Return once the worker holds the event `bind(..., hold=...)` named."""
-        await self._answer("holding", timeout)
+    async def until_said(self, what: str, timeout: float = 30) -> None:
+        """Return once the worker says `what` ("holding", "done")."""
+        await self.expect(what, timeout)
 
-    def kill(self) -> None:
-        """SIGKILL: the event it holds is not acked and comes back after ack_wait."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-    async def close(self) -> None:
-        self.kill()
-        await self.proc.wait()
+    def __repr__(self) -> str:
+        return f"<Worker {self.name} pid {self.proc.pid}>"
 
 
 async def _worker_main(config: dict[str, Any]) -> None:
@@ -113,7 +93,7 @@ async def _worker_main(config: dict[str, Any]) -> None:
     js = nc.jetstream()
     state: dict[str, Any] = {"task": None, "stop": False}
 
-    async def loop(durable: str, hold: list[Any] | None) -> None:
+    async def loop(durable: str, hold: list[Any] | None, stall: float) -> None:
         sub = await js.pull_subscribe_bind(durable, config["stream"])
         try:
             while not state["stop"]:
@@ -124,14 +104,19 @@ async def _worker_main(config: dict[str, Any]) -> None:
                 for msg in msgs:
                     held = time.monotonic()
                     event = Event.from_bytes(msg.data)
-                    if hold == [event.key, event.seq]:  # held unacked until the lesson kills this process,
-                        print("holding", flush=True)  # telling the broker it is still on it meanwhile
-                        while True:
+                    stalled = hold == [event.key, event.seq] and stall > 0
+                    if hold == [event.key, event.seq]:
+                        print("holding", flush=True)
+                        # in_progress() resets ack_wait: the event stays ours until the lesson kills us.
+                        while not stall:
                             await msg.in_progress()
                             await asyncio.sleep(0.1)
+                        await asyncio.sleep(stall)  # quiet, not dead: ack_wait runs out meanwhile
                     await asyncio.sleep(event.work)
                     await apply(nc, config["ledger"], event, config["name"], held=time.monotonic() - held)
                     await msg.ack_sync()
+                    if stalled:
+                        print("done", flush=True)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -147,7 +132,7 @@ async def _worker_main(config: dict[str, Any]) -> None:
             await state["task"]
             state["task"], state["stop"] = None, False
         if durable:
-            state["task"] = asyncio.ensure_future(loop(durable, command.get("hold")))
+            state["task"] = asyncio.ensure_future(loop(durable, command.get("hold"), command.get("stall", 0.0)))
         print("ok", flush=True)
     await nc.close()
 
@@ -275,40 +260,73 @@ class Shop:
     # -- section 1 and 2: one durable, several workers; one durable, one event at a time
 
     async def shared(self, events: Sequence[Event], workers: int = 2, max_ack_pending: int = 1000,
-                     kill: bool = False) -> Run:  # fmt: skip
-        """`workers` worker processes share one durable on every partition. With `kill`, the first worker
-        takes the first event and holds it (telling the broker it is still on it) until the others have
-        applied that order's later events, or at once if the durable hands them nothing meanwhile
-        (max_ack_pending=1); then it is SIGKILLed, and the broker redelivers the event after ack_wait."""
+                     kill: bool = False, stall: float = 0.0) -> Run:  # fmt: skip
+        """`workers` worker processes share one durable on every partition.
+
+        With `kill`, the first worker takes the first event and holds it until the others have applied
+        that order's later events, or at once if the durable hands them nothing meanwhile
+        (max_ack_pending=1); then it is SIGKILLed, and the broker redelivers the event after ack_wait.
+        While it holds the event it calls in_progress(), so that what the run shows is the kill's
+        redelivery, not ack_wait running out under a live worker (that is `stall`).
+        With `stall` (seconds, longer than ack_wait), the first worker goes quiet that long on the first
+        event, no in_progress(), then applies and acks it: the broker has meanwhile handed it to another."""
         await self.reset()
-        ack_wait = KILLED_ACK_WAIT if kill else ACK_WAIT
-        await self.durable("all", "lesson06.part.>", max_ack_pending=max_ack_pending, ack_wait=ack_wait)
-        if not kill:
+        short = kill or stall > 0
+        await self.durable("all", "lesson06.part.>", max_ack_pending=max_ack_pending,
+                           ack_wait=SHORT_ACK_WAIT if short else ACK_WAIT)  # fmt: skip
+        if not short:
             return await self._drain(events, [(w, "all") for w in self.workers[:workers]])
         self.ledger.expected = list(events)
         await self.publish(events)
         t0 = time.monotonic()
-        victim = self.workers[0]
-        await victim.bind("all", hold=events[0])
-        await victim.until_holding()
+        victim, first = self.workers[0], events[0]
+        await victim.bind("all", hold=first, stall=stall)
+        await victim.until_said("holding")
         for w in self.workers[1:workers]:
             await w.bind("all")
-        first = events[0]
-        later = {(e.key, e.seq) for e in events if e.key == first.key and e.seq > first.seq}
-        if max_ack_pending > 1:
-            await self._until(lambda: later <= {(a.key, a.seq) for a in self.ledger.log}, "the order's later events")
-        victim.kill()  # a real SIGKILL, the first event unacked in its hands
-        await victim.close()
-        await self.until_applied(len(events))
+        if stall:
+            await self.until_applied(len(events))
+            await victim.until_said("done", timeout=stall + 30)  # its late apply is in the ledger
+        else:
+            later = {(e.key, e.seq) for e in events if e.key == first.key and e.seq > first.seq}
+            if max_ack_pending > 1:
+                await self._until(
+                    lambda: later <= {(a.key, a.seq) for a in self.ledger.log}, "the order's later events"
+                )
+            victim.kill()  # a real SIGKILL, the first event unacked in its hands
+            await victim.close()
+            await self.until_applied(len(events))
         seconds = time.monotonic() - t0
-        for w in self.workers[1:workers]:
+        for w in self.workers[int(not stall) : workers]:
             await w.bind(None)
-        self.workers[0] = await Worker.start(victim.name)  # the pool is whole again for the next run
+        if not stall:
+            self.workers[0] = await Worker.start(victim.name)  # the pool is whole again for the next run
         run = Run(self.ledger.report(), rate=len(events) / seconds, seconds=seconds)
-        applied = [(a.key, a.seq) for a in self.ledger.log]
-        run.extra["killed holding"] = f"{first.key} {first.kind}"
-        run.extra[f"{first.key}'s events applied in the order"] = [seq for key, seq in applied if key == first.key]
+        run.extra["stalled on" if stall else "killed holding"] = f"{first.key} {first.kind}"
+        mine = [a for a in self.ledger.log if a.key == first.key]
+        if stall:
+            run.extra[f"{first.key}'s events applied (event, worker)"] = [(a.kind, a.worker) for a in mine]
+        else:
+            run.extra[f"{first.key}'s events applied in the order"] = [a.seq for a in mine]
         return run
+
+    async def runs_out(self, events: Sequence[Event], max_deliver: int = 2) -> list[str]:
+        """The first event's order alone on a durable with max_ack_pending=1 and `max_deliver`; a consumer
+        (in this process) naks that first event every time and acks the rest: what it is handed, in turn."""
+        await self.reset(1)
+        first = events[0]
+        mine = [e for e in events if e.key == first.key]
+        await self.durable("p0", "lesson06.part.0.>", max_ack_pending=1, max_deliver=max_deliver)
+        await self.publish(mine)
+        sub = await self.js.pull_subscribe_bind("p0", STREAM)
+        handed: list[str] = []
+        while len(handed) < max_deliver + len(mine) - 1:
+            for msg in await sub.fetch(1, timeout=10):
+                event = Event.from_bytes(msg.data)
+                handed.append(f"{event.kind} #{msg.metadata.num_delivered}")
+                await (msg.nak() if event == first else msg.ack_sync())
+        await sub.unsubscribe()
+        return handed
 
     # -- section 3: partition by key
 
@@ -359,9 +377,10 @@ class Shop:
         first, rest = {e.key for e in events[:cut]}, {e.key for e in events[cut:]}
         from msglab.world.order_events import partition
 
-        both = first & rest
+        both = sorted(first & rest)
         run.extra["keys with events on both sides"] = len(both)
-        run.extra["of them moved"] = sum(partition(k, n) != partition(k, n + 1) for k in both)
+        run.extra["moved"] = {k: f"p{partition(k, n)} -> p{partition(k, n + 1)}" for k in both
+                              if partition(k, n) != partition(k, n + 1)}  # fmt: skip
         if drain_first:
             run.extra["publishing paused"] = f"{waited:.2f} s"
         return run
@@ -467,43 +486,88 @@ class Shop:
 # --- what else the lesson checks on the server ------------------------------------------------------
 
 
+PINNED = "LESSON06_PINNED"  # priority groups: stream lesson06pin.>, durable "group", group "workers"
+PRIORITY_TIMEOUT = 0.5  # seconds a pinned client may stop pulling before the pin moves
+PINNED_ACK_WAIT = 1.5  # seconds; longer than PRIORITY_TIMEOUT, so the two are told apart
+
+
+async def _pinned_durable(js: Any, **config: Any) -> str:
+    """A fresh stream with events e0-e5 and a durable with the pinned_client policy, through the raw
+    JetStream API (nats-py 2.16 has no call for priority groups); returns the policy the server took."""
+    from msglab.broker import delete_stream
+
+    await delete_stream(js, PINNED)
+    await js.add_stream(name=PINNED, subjects=["lesson06pin.>"])
+    config = {"durable_name": "group", "ack_policy": "explicit", "priority_groups": ["workers"],
+              "priority_policy": "pinned_client", **config}  # fmt: skip
+    create = json.dumps({"stream_name": PINNED, "config": config}).encode()
+    made = json.loads((await js._nc.request(f"$JS.API.CONSUMER.CREATE.{PINNED}.group", create)).data)
+    for i in range(6):
+        await js.publish(f"lesson06pin.{i}", f"e{i}".encode())
+    return str(made.get("config", {}).get("priority_policy", made.get("error")))
+
+
+async def _pull(nc: Any, inbox: Any, batch: int, pin: str | None, ack: bool = True) -> tuple[list[str], str | None]:
+    """One pull of up to `batch` events in the group, expiring after 0.2 s; what came (an event, with its
+    delivery count if redelivered, or the status that ended the pull) and the pin id the server gave."""
+    ask = {"batch": batch, "expires": 200_000_000, "group": "workers", **({"id": pin} if pin else {})}
+    await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{PINNED}.group", json.dumps(ask).encode(), reply=inbox.subject)
+    got: list[str] = []
+    for _ in range(batch):
+        try:
+            msg = await inbox.next_msg(2)
+        except TimeoutError:
+            break
+        status = (msg.headers or {}).get("Status")
+        if status:
+            got.append(f"status {status}")
+            break
+        pin = msg.headers.get("Nats-Pin-Id", pin)  # the pinned client names itself in its next pulls
+        delivered = msg.metadata.num_delivered
+        got.append(msg.data.decode() + (f" (delivery {delivered})" if delivered > 1 else ""))
+        if ack:
+            await msg.respond(b"+ACK")
+    return got, pin
+
+
 async def pinned_group(js: Any) -> dict[str, Any]:
-    """Consumer priority groups with a pinned client, through the raw JetStream API (nats-py 2.16 has no
-    call for them): two clients pull from one durable; who gets what."""
+    """Two clients, A then B, take turns pulling up to two events each from a pinned_client durable."""
     from msglab.broker import delete_stream
 
     nc = js._nc
-    await delete_stream(js, "LESSON06_PINNED")
-    await js.add_stream(name="LESSON06_PINNED", subjects=["lesson06pin.>"])
-    config = {"durable_name": "group", "ack_policy": "explicit", "priority_groups": ["workers"],
-              "priority_policy": "pinned_client", "priority_timeout": 2_000_000_000}  # fmt: skip
-    create = json.dumps({"stream_name": "LESSON06_PINNED", "config": config}).encode()
-    made = json.loads((await nc.request("$JS.API.CONSUMER.CREATE.LESSON06_PINNED.group", create)).data)
-    for i in range(6):
-        await js.publish(f"lesson06pin.{i}", f"e{i}".encode())
+    policy = await _pinned_durable(js, priority_timeout=int(PRIORITY_TIMEOUT * 1e9))
     got: dict[str, list[str]] = {"A": [], "B": []}
-    pins: dict[str, str] = {}
+    pins: dict[str, str | None] = {"A": None, "B": None}
     inboxes = {who: await nc.subscribe(nc.new_inbox()) for who in got}
     for who in ("A", "B", "A", "B"):
-        ask = {"batch": 2, "expires": 200_000_000, "group": "workers", **({"id": pins[who]} if who in pins else {})}
-        await nc.publish("$JS.API.CONSUMER.MSG.NEXT.LESSON06_PINNED.group", json.dumps(ask).encode(),
-                         reply=inboxes[who].subject)  # fmt: skip
-        for _ in range(2):
-            try:
-                msg = await inboxes[who].next_msg(1)
-            except TimeoutError:
-                break
-            status = (msg.headers or {}).get("Status")
-            if status:
-                got[who].append(f"status {status}")
-                break
-            pins[who] = msg.headers.get("Nats-Pin-Id", "")  # the pinned client names itself in its next pulls
-            got[who].append(msg.data.decode())
-            await msg.respond(b"+ACK")
+        events, pins[who] = await _pull(nc, inboxes[who], 2, pins[who])
+        got[who] += events
     for sub in inboxes.values():
         await sub.unsubscribe()
-    await delete_stream(js, "LESSON06_PINNED")
-    return {"policy": made.get("config", {}).get("priority_policy", made.get("error")), **got}
+    await delete_stream(js, PINNED)
+    return {"policy": policy, **got}
+
+
+async def pin_takeover(js: Any, max_ack_pending: int = 1000) -> dict[str, Any]:
+    """A, pinned, takes e0 and goes quiet without acking it (stalled or dead: the broker cannot tell);
+    B pulls until it gets an event. Which event, and how long after A's last pull."""
+    from msglab.broker import delete_stream
+
+    nc = js._nc
+    await _pinned_durable(js, priority_timeout=int(PRIORITY_TIMEOUT * 1e9), ack_wait=int(PINNED_ACK_WAIT * 1e9),
+                          max_ack_pending=max_ack_pending)  # fmt: skip
+    a, b = await nc.subscribe(nc.new_inbox()), await nc.subscribe(nc.new_inbox())
+    held, _ = await _pull(nc, a, 1, None, ack=False)
+    quiet = time.monotonic()
+    got: list[str] = []
+    while not got and time.monotonic() - quiet < 30:
+        events, _ = await _pull(nc, b, 1, None)
+        got = [e for e in events if not e.startswith("status")]
+    after = time.monotonic() - quiet
+    await a.unsubscribe()
+    await b.unsubscribe()
+    await delete_stream(js, PINNED)
+    return {"A holds, unacked": held[0], "B's first event": got[0] if got else "none", "after": f"{after:.1f} s"}
 
 
 def hash_in_processes(keys: Sequence[str], n: int, processes: int = 2) -> list[list[int]]:
