@@ -99,8 +99,16 @@ class HeldSpawns:
     `ended` maps each stopped process to when it ended (its crash's time, for a crash): rule 6's evidence.
     """
 
-    def __init__(self, run: Run, role: str, faults: Callable[[int], list[Crash]], limit: int) -> None:
+    def __init__(
+        self,
+        run: Run,
+        role: str,
+        faults: Callable[[int], list[Crash]],
+        limit: int,
+        params: dict[str, Any] | None = None,
+    ) -> None:
         self.run, self.role, self.faults, self.limit = run, role, faults, limit
+        self.params = params  # what each process's env carries besides connections and names (run.spawn's params)
         self.released: list[Child] = []
         self.waiting: list[asyncio.Task[Child]] = []
         self.ended: dict[int, float] = {}
@@ -116,7 +124,8 @@ class HeldSpawns:
             number = len(self.released) + len(self.waiting)
             if number >= self.limit:
                 return
-            self.waiting.append(asyncio.ensure_future(self.run.spawn(self.role, faults=self.faults(number))))
+            spawn = self.run.spawn(self.role, faults=self.faults(number), params=self.params)
+            self.waiting.append(asyncio.ensure_future(spawn))
 
     async def release(self) -> Child | None:
         """Release the next process (starting one if none waits); None once `limit` is reached."""
