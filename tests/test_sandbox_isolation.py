@@ -212,3 +212,59 @@ def test_the_sweep_removes_files_fifos_sockets_and_ipc_the_runs_user_left_outsid
     finally:
         mine.unlink()
         subprocess.run(["rm", "-rf", str(shared)], check=False)
+
+
+LITTER = """
+def _litter(env):
+    import ctypes, os, socket
+    tag, key = {tag!r}, {key}
+    wrote = {{}}
+    for where, count, mb in (("/tmp", 3, 60), ("/dev/shm", 1, 8), ("/var/tmp", 1, 1)):
+        wrote[where] = 0
+        for i in range(count):
+            try:
+                with open(f"{{where}}/{{tag}}-{{os.getpid()}}-{{i}}", "wb") as out:
+                    for _ in range(mb):
+                        out.write(b"x" * (1 << 20))
+                        wrote[where] += 1
+            except OSError as exc:
+                wrote[where + " stopped by"] = exc.strerror
+    try:
+        os.mkfifo(f"/tmp/{{tag}}-{{os.getpid()}}-fifo")
+        socket.socket(socket.AF_UNIX).bind(f"/tmp/{{tag}}-{{os.getpid()}}-socket")
+    except OSError as exc:
+        wrote["fifo or socket"] = exc.strerror
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    wrote["shm"] = libc.shmget(key, 1 << 20, 0o1000 | 0o600)  # IPC_CREAT
+    wrote["sem"] = libc.semget(key, 1, 0o1000 | 0o600)
+    wrote["msg"] = libc.msgget(key, 0o1000 | 0o600)
+    _report("litter " + __import__("json").dumps(wrote))
+_hostile(_litter, once=True)
+"""
+
+
+def _sysv_keys() -> set[int]:
+    keys = set()
+    for kind in ("shm", "sem", "msg"):
+        for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]:
+            keys.add(int(line.split()[0]))
+    return keys
+
+
+def test_what_a_run_writes_outside_its_folder_is_bounded_and_gone_after_the_verdict(
+    no_nats_url: None, mark: Path
+) -> None:
+    import secrets
+
+    tag, key = f"msglab-litter-{secrets.token_hex(4)}", secrets.randbelow(1 << 30) + 1
+    verdict = graded(LABS["01"], LITTER.format(tag=tag, key=key), mark)
+    assert not verdict.passed  # the starter's own mistakes
+    said = [(mark / n).read_text() for n in os.listdir(mark) if not n.endswith(".part")]
+    wrote = json.loads(next(word for word in said if word.startswith("litter "))[len("litter ") :])
+    assert all(wrote[kind] >= 0 for kind in ("shm", "sem", "msg")), wrote  # the control: each was made
+    left = [str(p) for root in ("/tmp", "/var/tmp", "/dev/shm") for p in Path(root).glob(f"{tag}*")]
+    assert left == [], f"the run left {left}"
+    assert key not in _sysv_keys(), "the run left System V IPC"
+    if OWN_USER:  # as root (a user of its own), the run's scratch is a bounded tmpfs of its own
+        assert wrote["/tmp"] <= 64 and "/tmp stopped by" in wrote, wrote
+        assert wrote["/dev/shm"] <= 16, wrote

@@ -15,6 +15,10 @@ process (no container engine, no user namespaces, which this course cannot count
   makes that folder 0700), cannot read the run's server config or signal the grader. At the
   end the grader kills every process of that uid (`kill -9 -1` as that uid), which catches
   children that detached or double-forked into sessions of their own.
+- **A private scratch** when the grader is root: the run's zygote enters a mount and IPC namespace
+  of its own with bounded tmpfs on /tmp, /var/tmp and /dev/shm (the run's folder bound back in), so
+  what a run writes there is bounded in total and vanishes with it, System V IPC too; where the kernel
+  refuses (no CAP_SYS_ADMIN), the end-of-run sweep removes every file and IPC object of the run's uid.
 - **A tag** in every learner process's environment (MSGLAB_RUN_ID): without root there is no
   uid of its own, so the end-of-run sweep also kills every process that carries the run's tag.
   (A process that execs with a clean environment AND leaves its session escapes this sweep when
@@ -200,6 +204,45 @@ class Sandbox:
             sweep_files(self.uid)
             sweep_ipc(self.uid)
         return found
+
+
+# A run's private scratch folders (tmpfs in a mount namespace of its own; `private_scratch`), in MB:
+# what every learner process of the run may write there in total. They vanish with the run.
+PRIVATE_SCRATCH = {"/tmp": 64, "/var/tmp": 16, "/dev/shm": 16}
+CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+
+
+def private_scratch(run_folder: str) -> bool:
+    """Give this process (a run's zygote, as root) and its children their own /tmp, /var/tmp, /dev/shm
+    and System V IPC: bounded tmpfs that vanish with the run, the run's folder bound back in place.
+
+    Returns False, changing nothing, where the kernel refuses (no CAP_SYS_ADMIN, e.g. an unprivileged
+    container): the end-of-run sweep is then what removes what the run left.
+    """
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        return False
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0:
+        return False
+    # Nothing mounted here may propagate back to the machine's own mount table.
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    # Opened in the new namespace (a bind from another namespace's mount is refused), before /tmp is covered.
+    keep = os.open(run_folder, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for folder, megabytes in PRIVATE_SCRATCH.items():
+            if not os.path.isdir(folder):
+                continue
+            options = f"size={megabytes}m,mode=1777".encode()
+            if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+                continue
+            if run_folder.startswith(folder + os.sep):
+                os.makedirs(run_folder, mode=0o711, exist_ok=True)
+                libc.mount(f"/proc/self/fd/{keep}".encode(), run_folder.encode(), None, MS_BIND, None)
+        return True
+    finally:
+        os.close(keep)
 
 
 # Where any user may create files outside its run folder (world-writable, or so on most systems).

@@ -17,11 +17,12 @@ the learner process gets a `sys.path` of the standard library, site-packages and
 folder only, and cannot import the course's graders, services, demos or classroom tools
 (`sandbox.seal_course`).
 
-The zygote is the run's container: it is a child subreaper, so every process the learner's code
-starts, even one that double-forks into a session of its own, stays its descendant; when the grader
-shuts its side of the control socket (or dies), the zygote SIGKILLs every descendant, reports the
-CPU the run's processes spent, and exits. The nursery exits when its own socket closes, which the
-kernel does when the grading process ends, however it ends.
+The zygote is the run's container: as root it takes a private scratch at its first spawn
+(sandbox.private_scratch: its own bounded /tmp, /var/tmp, /dev/shm and System V IPC); it is a child
+subreaper, so every process the learner's code starts, even one that double-forks into a session of
+its own, stays its descendant; when the grader shuts its side of the control socket (or dies), the
+zygote SIGKILLs every descendant, reports the CPU the run's processes spent, and exits. The nursery
+exits when its own socket closes, which the kernel does when the grading process ends, however it ends.
 
 Nursery protocol (SOCK_SEQPACKET, one JSON message per packet):
   grader -> nursery  {"zygote": GRADER_MODULE} with 1 fd (the zygote's end of the run's control socket)
@@ -53,7 +54,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from msglab.grading.sandbox import Sandbox, learner_environment, learner_path, nursery_environment, seal_course
+from msglab.grading.sandbox import (
+    Sandbox,
+    learner_environment,
+    learner_path,
+    nursery_environment,
+    private_scratch,
+    seal_course,
+)
 
 PR_SET_CHILD_SUBREAPER = 36
 FX_FD = 3  # where a learner process finds its effect socket
@@ -172,6 +180,12 @@ def _become_learner(spec: dict[str, object], fds: list[int], ctl: socket.socket)
     os._exit(0)
 
 
+def _run_folder(spec: dict[str, Any]) -> str:
+    """The folder holding the run's home (the spawn's cwd) and its copy of the learner's files."""
+    env = spec.get("env") or {}
+    return os.path.commonpath([str(spec["cwd"]), os.path.dirname(str(env.get("MSGLAB_SOURCE") or spec["cwd"]))])
+
+
 def _zygote(ctl: socket.socket) -> None:
     """In a child of the nursery: serve one run's spawns until the grader shuts the control socket."""
     os.setsid()  # a session of its own: nothing sent to the grader's group reaches the run
@@ -184,6 +198,7 @@ def _zygote(ctl: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     ours: set[int] = set()
+    scratch_done = False
     try:
         while True:
             ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
@@ -200,6 +215,9 @@ def _zygote(ctl: socket.socket) -> None:
                 return  # the grader ended the run (or died): end everything
             request = json.loads(data)
             spec = request["spawn"]
+            if not scratch_done:  # the run's folder is known from its first spawn
+                scratch_done = True
+                private_scratch(_run_folder(spec))
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
