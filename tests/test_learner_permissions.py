@@ -25,7 +25,7 @@ from msglab.broker.users import LEARNER_INBOX, RUN_JETSTREAM, RunUsers, SharedUs
 
 LAB = types.SimpleNamespace(
     STREAM="ORDERS", STREAMS=("ORDERS", "ORDERS_DLQ"), DURABLE="fulfil", LEARNER_SUBJECTS=["orders.>"],
-    LEARNER_DENY_PUBLISH=["orders.audit"],
+    LEARNER_REQUESTS=["inventory.reserve"], LEARNER_DENY_PUBLISH=["orders.audit"],
 )  # fmt: skip
 NS = 1_000_000_000
 
@@ -213,3 +213,38 @@ def test_a_slot_user_is_at_least_as_strict(tmp_path: Path) -> None:
                  "provider": f"{prefix}.provider.send", "gateway": f"{prefix}.gateway.charge"}  # fmt: skip
         out = asyncio.run(_operations(admin, slot_url(admin, 7), f"_INBOX_{prefix}", names))
     _judge(out)
+
+
+def test_a_declared_lab_service_takes_the_learners_requests_but_the_learner_cannot_answer_for_it(
+    tmp_path: Path,
+) -> None:
+    users = RunUsers(grader=LAB)
+    config = tmp_path / "server.conf"
+    config.write_text(users.config())
+
+    async def scenario(grader_url: str, learner_url: str) -> tuple[str, list[str]]:
+        grader = await nats.connect(grader_url)
+        learner = await nats.connect(learner_url, inbox_prefix=LEARNER_INBOX)
+        overheard: list[str] = []
+
+        async def inventory(msg: Any) -> None:
+            await msg.respond(b'{"reserved": true}')
+
+        async def impostor(msg: Any) -> None:
+            overheard.append(msg.subject)
+            await msg.respond(b'{"reserved": false}')
+
+        await grader.subscribe("inventory.reserve", cb=inventory)
+        await learner.subscribe("inventory.reserve", cb=impostor)
+        await grader.flush()
+        await learner.flush()
+        answers = [(await grader.request("inventory.reserve", b"{}", timeout=1)).data for _ in range(5)]
+        asked = await _attempt(learner.request("inventory.reserve", b"{}", timeout=1))
+        await learner.close()
+        await grader.close()
+        assert set(answers) == {b'{"reserved": true}'}  # only the course's inventory ever answered
+        return asked, overheard
+
+    with EmbeddedServer(config=str(config)) as server:
+        asked, overheard = asyncio.run(scenario(users.grader_url(server.url), users.learner_url(server.url)))
+    assert asked == "ok" and overheard == []

@@ -17,6 +17,8 @@ What a lab needs comes from its grader module, read with defaults so graders can
   DURABLE, DURABLES     the platform's durables, which learner code may only read, fetch from and ack
   LEARNER_SUBJECTS      the ordinary subjects learner code may publish and subscribe on (wildcards
                         allowed); without it, every subject but the denied ones, as before
+  LEARNER_REQUESTS      subjects of the lab's services it may send requests to, never listen on
+                        (so it cannot answer for them); only with LEARNER_SUBJECTS
   LEARNER_DENY_PUBLISH  subjects only the grader or a course service may publish on
 """
 
@@ -110,6 +112,7 @@ class RunUsers:
             streams, durables, platform = course_streams(), course_durables(), course_platform_streams()
         self.streams = streams
         self.subjects: list[str] | None = list(getattr(grader, "LEARNER_SUBJECTS", None) or []) or None
+        self.requests = list(getattr(grader, "LEARNER_REQUESTS", None) or [])
         self.deny_publish = (
             LEARNER_DENY_PUBLISH + COURSE_SERVICES + platform_consumer_denials("", platform, durables) + extra
         )
@@ -125,10 +128,13 @@ class RunUsers:
         return {
             # STREAM.NAMES: nats-py's pull_subscribe finds a stream by subject when none is named
             "publish": {
-                "allow": [*self.subjects, "$JS.API.STREAM.NAMES", *jetstream_allow(self.streams)],
+                "allow": [*self.subjects, *self.requests, "$JS.API.STREAM.NAMES", *jetstream_allow(self.streams)],
                 "deny": self.deny_publish,
             },
-            "subscribe": {"allow": [*self.subjects, f"{self.inbox_prefix}.>"], "deny": self.deny_subscribe},
+            "subscribe": {
+                "allow": [*self.subjects, f"{self.inbox_prefix}.>"],
+                "deny": self.deny_subscribe + self.requests,
+            },
             "allow_responses": True,  # answer the grader's requests to a service it runs
         }
 
