@@ -454,18 +454,19 @@ class Lab:
         prefix = f"$JS.ACK.{self.stream}.{self.durable}."
         self._subs = [
             # The server sends each delivery to the worker's inbox; core NATS gives the grader a copy.
-            await nc.subscribe("_INBOX.>", cb=self._on_delivery),
-            *(
-                [await nc.subscribe(f"{self.run.inbox_prefix}.>", cb=self._on_delivery)]
-                if self.run.inbox_prefix
-                else []
-            ),
+            # The learner user's inbox is its own on a run's own server (LEARNER_INBOX), a slot's on a shared one.
+            *[await nc.subscribe(f"{inbox}.>", cb=self._on_delivery) for inbox in self._inboxes()],
             await nc.subscribe(prefix + ">", cb=self._on_settle),
             await nc.subscribe(
                 f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.{self.durable}", cb=self._on_exhausted
             ),
         ]
         await settle_subscriptions(nc)
+
+    def _inboxes(self) -> list[str]:
+        from msglab.broker.users import LEARNER_INBOX
+
+        return list(dict.fromkeys(p for p in ("_INBOX", LEARNER_INBOX, self.run.inbox_prefix) if p))
 
     @staticmethod
     def _ack_tokens(reply: str) -> tuple[int, int] | None:
