@@ -118,27 +118,106 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     )
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)  # after -k and -m: a lesson is left to nbval unless its browser test runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep what must share a worker on one xdist worker (`--dist loadgroup`).
+    """Keep what must share a worker on one xdist worker (`--dist loadgroup`), longest work first.
 
     A notebook's cells run in order in one kernel, so each notebook is one group; the CPU-load
-    module is one group, so only one set of spinners runs; the browser and JupyterLab tests
-    each share a worker with their module.
+    module is one group, so only one set of spinners runs; the browser tests run on two JupyterLabs,
+    each a group, the lessons shared between them by size. A lesson the browser test runs (all its
+    cells, in JupyterLab) is not run again under nbval in the same session. The groups that take
+    longest go to the workers first, so none starts last and finishes alone (pyproject keeps xdist
+    from reordering them by test count).
     """
     if not getattr(config.option, "loadgroup", False):  # set in xdist workers only
         return
+    _skip_lessons_the_browser_runs(config, items)
+    browser = _browser_groups([item for item in items if Path(str(item.fspath)).name == "test_browser.py"])
     for item in items:
         path = Path(str(item.fspath))
         if path.suffix == ".ipynb":
             _group(item, f"nb-{path.parent.name}-{path.stem}")
         elif path.name == "test_browser.py":
-            # Two JupyterLabs, each on a worker of its own, share the lessons: odd and even numbers.
-            lesson = item.callspec.params.get("lesson", "") if hasattr(item, "callspec") else ""
-            number = Path(str(lesson)).name[:2]
-            _group(item, f"test_browser-{int(number) % 2 if number.isdigit() else 0}")
+            _group(item, browser[item.nodeid])
         elif path.name in ("test_variants_under_load.py", "test_make_lab.py"):
             _group(item, path.stem)
+    weight: dict[str, float] = {}
+    for item in items:
+        weight[_unit(item)] = weight.get(_unit(item), 0.0) + _seconds(item)
+    items.sort(key=lambda item: -weight[_unit(item)])
+
+
+def _unit(item: pytest.Item) -> str:
+    """What xdist hands a worker at once: the item's group, or the item alone."""
+    return item.nodeid.rsplit("@", 1)[-1] if "@" in item.nodeid else item.nodeid
+
+
+# Rough seconds a test takes on a 2-core machine (measured 1 Dec 2026 with others' work beside it),
+# for the order work is handed out in: only the order matters, not the numbers. Unlisted: 1 s.
+SECONDS = {
+    "test_browser.py": 25.0,  # a lesson in JupyterLab (14-34 s), plus the lab's start
+    "test_variants_under_load.py": 19.0,  # a lab's known files, four at once under load
+    "test_variants.py": 6.0,  # one file on four seeds
+    "test_hostile.py": 6.0,
+    "test_demo_idempotency.py": 10.0,
+    "test_edition_make_test.py": 30.0,
+    "test_classroom.py": 5.0,
+    "test_release.py": 5.0,
+    "test_environment.py": 4.0,
+    ".ipynb": 0.7,  # a notebook cell
+}
+
+
+def _seconds(item: pytest.Item) -> float:
+    path = Path(str(item.fspath))
+    return SECONDS.get(path.name, SECONDS.get(path.suffix, 1.0))
+
+
+def _lesson_of(item: pytest.Item) -> str:
+    """The lesson a browser test runs ('' for its self-tests)."""
+    lesson = item.callspec.params.get("lesson", "") if hasattr(item, "callspec") else ""
+    return Path(str(lesson)).stem
+
+
+def _browser_can_run() -> bool:
+    """What tests/test_browser.py needs, or it skips (then nbval must run every lesson)."""
+    import importlib.util
+
+    return os.path.exists("/usr/bin/chromium") and importlib.util.find_spec("playwright") is not None
+
+
+def _skip_lessons_the_browser_runs(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the nbval cells of each lesson that a browser test of this session runs to the end:
+    it runs every cell in a kernel too, and fails on any error output (what nbval-lax checks), so
+    running it twice costs time and checks nothing more."""
+    if not _browser_can_run():
+        return
+    in_browser = {_lesson_of(i) for i in items if Path(str(i.fspath)).name == "test_browser.py"} - {""}
+    twice = [i for i in items if Path(str(i.fspath)).suffix == ".ipynb" and Path(str(i.fspath)).parent.name ==
+             "lessons" and Path(str(i.fspath)).stem in in_browser]  # fmt: skip
+    if twice:
+        config.hook.pytest_deselected(items=twice)
+        items[:] = [i for i in items if i not in set(twice)]
+
+
+def _browser_groups(tests: list[pytest.Item]) -> dict[str, str]:
+    """Two JupyterLabs, each a group on a worker of its own: lessons shared out biggest first (by code
+    cells, which track a lesson's run time) to the lighter one; the self-tests go with the lighter."""
+    import json
+
+    def cells(item: pytest.Item) -> int:
+        lesson = ROOT / "lessons" / f"{_lesson_of(item)}.ipynb"
+        if not lesson.is_file():
+            return 10  # a self-test: about a small lesson's time
+        return sum(c.get("cell_type") == "code" for c in json.loads(lesson.read_text()).get("cells", []))
+
+    load = [0, 0]
+    groups = {}
+    for item in sorted(tests, key=lambda i: (-cells(i), i.nodeid)):
+        lab = load.index(min(load))
+        load[lab] += cells(item)
+        groups[item.nodeid] = f"test_browser-{lab}"
+    return groups
 
 
 def _group(item: pytest.Item, name: str) -> None:
