@@ -13,11 +13,17 @@ and, on lines of their own, what its verdict must say (so no test grades the fil
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from conftest import VERDICT_LOG
 from msglab.catalog import all_labs
 from msglab.grading.verdict import Verdict
 
@@ -104,3 +110,39 @@ def all_cases() -> list[Case]:
             name = str(path.relative_to(folder).with_suffix(""))
             cases.append(Case(lab.number, name, path, passes, checks, sayings(path)))
     return cases
+
+
+# Verdicts graded at once by tests/test_variants.py across all of the session's workers: four per core,
+# what four workers grading two seeds each reached on two cores before (five seeds at once starved lab
+# 05's age judgments of CPU). A test grades its four seeds at once when the slots are free, so the
+# files graded while other workers run notebooks or the browser are not held to two at a time.
+SLOTS = 4 * (os.cpu_count() or 1)
+
+
+@contextmanager
+def verdict_slot() -> Iterator[None]:
+    """Hold one of the session's SLOTS while grading (a lock file each, in the folder conftest.py
+    made for the run); outside a test session, no limit."""
+    folder = os.environ.get(VERDICT_LOG)
+    if not folder:
+        yield
+        return
+    slots = Path(folder) / "slots"
+    slots.mkdir(exist_ok=True)
+    held = None
+    for slot in range(SLOTS):
+        fd = os.open(slots / str(slot), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        held = fd
+        break
+    if held is None:  # every slot busy: wait for one (each thread its own, so waiters spread out)
+        held = os.open(slots / str(threading.get_ident() % SLOTS), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        os.close(held)  # closing the descriptor releases its lock
