@@ -24,7 +24,7 @@ from msglab.grading.verdict import Verdict
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = Path(__file__).parent / "variants" / "03_idempotency"
 SOLUTION = ROOT / "solutions" / "03_idempotency" / "payments.py"
-CHECKS = {"charged_once", "none_lost", "credited_once", "stable_key", "all_acked", "late_payment_handled"}
+CHECKS = {"charged_once", "none_lost", "credited_once", "stable_key", "all_acked", "survives_idle"}
 
 
 @pytest.fixture

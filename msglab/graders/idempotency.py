@@ -3,8 +3,8 @@
 Workload (seeded): the course's payment gateway (msglab.world.gateway: keys kept 24 h, search that
 lags a minute behind, its own store), served from the grader's process and reached over NATS, and
 six worker processes running the learner's `payment_worker` on the durable 'payments'. Every
-worker starts held in standby; the grader releases them one at a time, so each planned crash
-meets the payment the grader gave that worker, whatever the learner's fetch size:
+worker starts held (msglab.grading.scaffold.HeldSpawns); the grader releases them one at a time, so
+each planned crash meets the payment the grader gave that worker, whatever the learner's fetch size:
 
 1. four one-shot workers, each handed one fresh payment and SIGKILLed at one point of the
    handler: before the gateway call; after the gateway charged (the answer never arrives); right
@@ -18,7 +18,8 @@ meets the payment the grader gave that worker, whatever the learner's fetch size
    every variant, so only the learner's uniqueness guarantee decides the race); four more
    payments follow;
 3. the queue goes idle until a worker's fetch has expired and it asked again (seen on the broker),
-   then one late payment is published: a worker already running must handle it;
+   then one late payment is published: a worker already running must handle it (rule 2,
+   `survives_idle`);
 4. the crashed payments are redelivered. Before the redelivery of the last one reaches the
    gateway, the gateway's test clock moves 25 h forward (a day passes): its key is forgotten.
    Then one payment the shop credited earlier is published again (a copy, a day later).
@@ -26,14 +27,15 @@ meets the payment the grader gave that worker, whatever the learner's fetch size
 Invariants judged on the gateway's store, the learner's ledger (read from its database file after
 the run), the broker and the grader's own records of effect calls, never on printed text: no
 payment charged twice; every payment charged and credited; none credited twice; one stable
-idempotency key per payment; every message acked; the late payment handled by a running worker.
+idempotency key per payment; every message acked (`all_acked`); the late payment handled by a
+running worker (`survives_idle`).
 Exactly once is the lab's invariant, so no duplicate effect is allowed anywhere, not even after a
 kill before an ack (rule 6 allows none here).
 
 The hooks in the learner's process are effect calls the grader answers: `charge` and
 `find_charges` (the grader forwards them to the gateway), `db_write` before the first write of each
 transaction on env.db (where the race holds a worker) and `db_commit` after each commit that
-changed rows (where a worker is killed), and `standby` when a worker starts (where it waits to be
+changed rows (where a worker is killed), and `held` when a worker starts (where it waits to be
 released). Which payment a database call concerns is read from what its statements mention, else
 from the worker's latest gateway call; that attribution only shapes traces and the race, never a
 verdict's evidence (charges come from the gateway's store, credits from the ledger file).
@@ -53,20 +55,23 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from msglab.grading.harness import Child, Refuse, Run
-from msglab.grading.labkit import provision
+from msglab.grading import rules
 from msglab.grading.nemesis import Crash, rng
-from msglab.grading.observe import BrokerWatch
+from msglab.grading.rules import plural
+from msglab.grading.scaffold import HeldSpawns, Phases, Topology, held
 from msglab.grading.verdict import Check
 from msglab.world import gateway as gw
 from msglab.world.gateway import GatewayError, IdempotencyKeyInUse, IdempotencyKeyReused  # noqa: F401 (raised in workers)
 
-STREAM = "PAYMENTS"
-SUBJECT = "payments.received"
-DURABLE = "payments"
+if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
+    from msglab.grading.harness import Child, Run
+    from msglab.grading.observe import BrokerWatch
+
 ACK_WAIT = 1.1  # seconds; production uses 30 s. Over 1 s, so a redelivery's key made from the clock differs
+TOPOLOGY = Topology("PAYMENTS", "payments.>", "payments", "payments.received", ACK_WAIT, {"max_ack_pending": 100})
+STREAM, DURABLE, SUBJECT = TOPOLOGY.stream, TOPOLOGY.durable, TOPOLOGY.subject
 KEY_WINDOW = 24 * 3600.0  # the gateway keeps keys 24 h, a common production figure
 SEARCH_LAG = 60.0  # a charge shows up in the gateway's search a minute after it was made
 CLOCK_JUMP = 25 * 3600.0  # how far the gateway's test clock moves: past the key window
@@ -82,13 +87,31 @@ STUCK_NAKS = 3  # a message nak'ed this many times is judged stuck: it will not 
 # its subjects, test clock included, are the course's.
 LEARNER_DENY_PUBLISH = ["gateway.>"]
 
-# The one-shot workers, in the order they run: what each is planned to meet.
+_CHARGED = "charge every payment it takes through env.charge, one call per payment, while the process keeps running"
+_COMMITTED = "credit every payment it takes in a transaction that commits, while the process keeps running"
+
+
+def _kill(effect: str, when: str, point: str, counted: str, hint: str) -> Crash:
+    """A one-shot worker's crash, with rule 1's words for it (rules.faults_check) should it not fire."""
+    return Crash(effect, 1, when, point=point, counted=counted, hint=hint)
+
+
+# The one-shot workers, in the order they run: what each is planned to meet (its trace's words).
 POINTS: dict[str, tuple[Crash, str]] = {
-    "before_charge": (Crash("charge", 1, "before"), "killed before the gateway call"),
-    "after_charge": (Crash("charge", 1, "after"), "killed after the gateway charged it, before the answer arrived"),
-    "after_commit": (Crash("db_commit", 1, "after"), "killed right after its first database commit for it"),
+    "before_charge": (
+        _kill("charge", "before", "before its first env.charge call", "env.charge call", _CHARGED),
+        "killed before the gateway call",
+    ),
+    "after_charge": (
+        _kill("charge", "after", "right after the gateway charged its first payment", "env.charge call", _CHARGED),
+        "killed after the gateway charged it, before the answer arrived",
+    ),
+    "after_commit": (
+        _kill("db_commit", "after", "right after its first database commit", "database commit", _COMMITTED),
+        "killed right after its first database commit for it",
+    ),
     "key_expired": (
-        Crash("charge", 1, "after"),
+        _kill("charge", "after", "right after the gateway charged its first payment", "env.charge call", _CHARGED),
         "killed after the gateway charged it, before the answer arrived (its redelivery comes a day later)",
     ),
 }
@@ -251,9 +274,9 @@ def _add_effects(env: Any) -> None:
 
 
 async def role_payment_worker(env: Any, learner: Any) -> None:
-    """One payment worker: waits in standby until the grader releases it, then runs the learner's loop."""
+    """One payment worker: waits held until the grader releases it, then runs the learner's loop."""
     _add_effects(env)
-    env.world.call("standby")
+    held(env)
     await learner.payment_worker(env)
 
 
@@ -263,7 +286,7 @@ async def playground(env: Any) -> None:
     env.charge and env.find_charges print what the gateway did; env.gateway reads its store and
     moves its clock (`await env.gateway.advance(env.nc, hours=25)`).
     """
-    await _setup(env.js, env.names)
+    await TOPOLOGY.provision(env.js, env.names)
     folder = tempfile.mkdtemp(prefix="msglab-try03-")
     atexit.register(shutil.rmtree, folder, True)  # gone when the notebook's kernel exits
     gateway = await gw.attach(
@@ -336,14 +359,6 @@ def draw_plan(seed: int) -> _Plan:
     return _Plan(payments, crashed, race, plain, late, day_later)
 
 
-async def _setup(js: Any, names: Any) -> None:
-    # The platform team's part: the stream and the durable exist before any worker starts.
-    await provision(
-        js, names, stream=STREAM, wildcard="payments.>", durable=DURABLE, subject=SUBJECT, ack_wait=ACK_WAIT,
-        max_ack_pending=100,
-    )  # fmt: skip
-
-
 # --- the grader's side of the run --------------------------------------------------------------
 
 
@@ -381,12 +396,17 @@ class _ChargeCall:
 class _Lab:
     """Everything one grading run of lab 03 keeps: the plan, the world's services and what was seen."""
 
-    def __init__(self, run: Run, plan: _Plan, gateway: gw.AttachedGateway, watch: BrokerWatch) -> None:
+    def __init__(self, run: Run, plan: _Plan, gateway: gw.AttachedGateway, watch: BrokerWatch, db_path: str) -> None:
         self.run = run
         self.plan = plan
         self.gateway = gateway
         self.watch = watch
-        self.released: dict[int, asyncio.Event] = {}
+        # Four one-shot workers (one planned crash each), then two long-running ones, all started before
+        # anything is published and released one by one.
+        crashes = [crash for crash, _ in POINTS.values()]
+        self.spawns = HeldSpawns(
+            run, "payment_worker", lambda n: crashes[n : n + 1], len(crashes) + 2, params={"db_path": db_path}
+        )
         self.published: list[_Published] = []
         self.current: dict[int, str] = {}  # worker pid -> payment of its latest gateway call
         self.handed: dict[int, str] = {}  # one-shot worker pid -> the payment it was given
@@ -395,8 +415,7 @@ class _Lab:
         self.advance_lock = asyncio.Lock()
         self.calls: list[_ChargeCall] = []
         self.steps: dict[str, list[tuple[float, str]]] = defaultdict(list)  # payment id -> (ts, what happened)
-        self.oneshots: list[Child] = []
-        self.steady: list[Child] = []
+        self.drained = False  # the payments before the idle spell were all settled in time
         self.idle_since: float | None = None
         self.quiet = 0.0  # when the last ack before the late payment came: the queue has been idle since
         self.refetch: Any = None  # the pull request that proved a worker fetched again after an idle gap
@@ -404,8 +423,17 @@ class _Lab:
 
     # -- effects the workers call
 
+    @property
+    def oneshots(self) -> list[Child]:
+        """The released workers planned to crash, in order."""
+        return [c for c in self.spawns.released if c.faults]
+
+    @property
+    def steady(self) -> list[Child]:
+        """The released long-running workers."""
+        return [c for c in self.spawns.released if not c.faults]
+
     def attach(self) -> None:
-        self.run.on("standby", self.on_standby)
         self.run.on("charge", self.on_charge)
         self.run.on("find_charges", self.on_find)
         self.run.on("db_write", self.on_db_write)
@@ -414,13 +442,9 @@ class _Lab:
     def step(self, pid: str, text: str, ts: float | None = None) -> None:
         self.steps[pid].append((time.time() if ts is None else ts, text))
 
-    def release(self, child: Child) -> None:
-        self.released.setdefault(child.pid, asyncio.Event()).set()
-
-    async def on_standby(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
-        await self.released.setdefault(child.pid, asyncio.Event()).wait()
-
     async def on_charge(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
+        from msglab.grading.harness import Refuse
+
         pid = key or ""
         self.current[child.pid] = pid
         await self._gate(pid)
@@ -451,6 +475,8 @@ class _Lab:
         return reply
 
     async def on_find(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
+        from msglab.grading.harness import Refuse
+
         pid = key or ""
         self.current[child.pid] = pid
         await self._gate(pid)
@@ -561,8 +587,8 @@ class _Lab:
 async def grade(run: Run) -> list[Check]:
     """Run the workload with its faults and judge the invariants."""
     plan = draw_plan(run.seed)
-    await _setup(run.js, run.names)
-    watch = await BrokerWatch(run.names.stream(STREAM), run.names.durable(DURABLE)).start(run.nc)
+    await TOPOLOGY.provision(run.js, run.names)
+    watch = await TOPOLOGY.watch(run)
     # The gateway's store sits where learner processes cannot go; it answers on the grader's connection
     # (one process fewer per verdict), over NATS like any service, on subjects learners may not publish to.
     private = os.path.join(run.tmp, "gateway")
@@ -571,42 +597,44 @@ async def grade(run: Run) -> list[Check]:
         run.nc, os.path.join(private, "gateway.sqlite"), prefix=run.names.subject("gateway"), window=KEY_WINDOW,
         search_lag=SEARCH_LAG,
     )  # fmt: skip
-    lab = _Lab(run, plan, gateway, watch)
-    lab.attach()
-    params = {"db_path": os.path.join(run.home, "shop.sqlite")}  # the learner's service's own state
+    db_path = os.path.join(run.home, "shop.sqlite")  # the learner's service's own state
     # Made in WAL mode before any worker starts: six processes switching a new file to WAL at once can
     # meet a lock SQLite does not wait for. The workers' user owns it (and its folder, for the -wal file).
-    sqlite3.connect(params["db_path"]).execute("pragma journal_mode=wal").connection.close()
-    run.sandbox.give(Path(params["db_path"]))
-    await _play(lab, params)
+    sqlite3.connect(db_path).execute("pragma journal_mode=wal").connection.close()
+    run.sandbox.give(Path(db_path))
+    lab = _Lab(run, plan, gateway, watch, db_path)
+    lab.attach()
+    try:
+        await _play(lab)
+    finally:
+        await lab.spawns.cancel()
+    await lab.spawns.settle()  # so the platform's rule-3 check sees a worker that ended on its own
     if lab.problems:
         from msglab.errors import GraderError
 
         raise GraderError(lab.problems[0])
-    stream, durable = run.names.stream(STREAM), run.names.durable(DURABLE)
 
     async def all_acked() -> bool:
-        info = await run.js.consumer_info(stream, durable)
-        return not (info.num_pending or info.num_ack_pending) or not lab.workers_alive()
+        return rules.drained(await TOPOLOGY.info(run)) or not lab.workers_alive()
 
     # A worker that has just credited a redelivery may still be sending its ack: on a loaded machine
     # the broker can hear it a moment after the ledger shows the credit. Bounded: a stuck one stays.
     await run.wait_for(all_acked, ACK_WAIT + 1.0)
-    info = await run.js.consumer_info(stream, durable)
-    evidence = _Evidence.collect(lab, params["db_path"], info)
+    evidence = _Evidence.collect(lab, db_path, await TOPOLOGY.info(run))
     return [
         _charged_once_check(evidence),
         _none_lost_check(evidence),
         _credited_once_check(evidence),
         _stable_key_check(evidence),
         _acked_check(evidence),
-        _late_check(evidence),
+        _idle_check(evidence),
     ]
 
 
-async def _play(lab: _Lab, params: dict[str, Any]) -> None:
+async def _play(lab: _Lab) -> None:
     """The workload, phase by phase (see the module's docstring)."""
     run, plan = lab.run, lab.plan
+    phase = Phases(run)
     stalled = False
 
     async def wait(condition: Any, timeout: float) -> bool:
@@ -614,59 +642,60 @@ async def _play(lab: _Lab, params: dict[str, Any]) -> None:
         # (a handler that blocks or spins): the later phases are skipped, so the verdict comes fast.
         nonlocal stalled
         before = len(run.log.events())
-        held = await run.wait_for(condition, 0.2 if stalled else timeout)
-        stalled = stalled or (not held and len(run.log.events()) == before)
-        return held
+        done = await run.wait_for(condition, 0.2 if stalled else timeout)
+        stalled = stalled or (not done and len(run.log.events()) == before)
+        return done
 
-    # Every worker starts in standby before anything is published, so the phases below run back to back,
+    # Every worker starts held before anything is published, so the phases below run back to back,
     # well inside ack_wait of the first crash: no redelivery is due yet when the race begins.
-    workers = await asyncio.gather(
-        *(run.spawn("payment_worker", faults=[crash], params=params) for crash, _ in POINTS.values()),
-        *(run.spawn("payment_worker", params=params) for _ in range(2)),
-    )
-    lab.oneshots, lab.steady = list(workers[: len(POINTS)]), list(workers[len(POINTS) :])
-    # 1. One-shot workers, one at a time: each takes the one payment published for it and meets its crash.
-    for (_point, pid), worker in zip(plan.crashed, lab.oneshots, strict=True):
-        lab.handed[worker.pid] = pid
-        lab.release(worker)
-        await lab.publish(pid, "first")
-        if not await wait(lambda w=worker: not w.alive, STEP_WAIT):
-            await worker.kill()  # its planned crash did not happen: faults_fired says so
-    # 2. The long-running workers: the race on one payment published twice at once, then the plain ones.
-    released = time.time()
-    for worker in lab.steady:
-        lab.release(worker)
-    # Both have started (set up their tables, asked for messages) before the race opens: any write of
-    # theirs from here on is for the raced payment, the one thing they are given.
-    await wait(lambda: sum(p.ts >= released for p in lab.watch.pulls) >= 2, STEP_WAIT)
-    lab.race = _Race(payment=plan.race, pair=tuple(w.pid for w in lab.steady), open=True)
-    raced = [await lab.publish(plan.race, "first"), await lab.publish(plan.race, "copy")]
-    await wait(lambda: not lab.race.open or not lab.workers_alive(), RACE_WAIT + STEP_WAIT)
-    lab.race.open = False
-    plain = [await lab.publish(pid, "first") for pid in plan.plain]
-    await wait(lambda: lab.settled(p.seq for p in raced + plain), SETTLE_WAIT)
-    # 3. Idle until a worker's fetch expired and it asked again, then one late payment. The quiet starts at
-    # the last ack: a pull request sent after it that waited out its expires, followed by another pull
-    # request, proves a worker survived an empty fetch (an ack in between would mean a message came).
-    lab.idle_since = max((a.ts for a in lab.watch.acks if a.kind in ("ack", "term")), default=time.time())
+    lab.spawns.prepare(lab.spawns.limit)
+    await asyncio.gather(*lab.spawns.waiting)
+    async with phase("one-shot workers"):  # one at a time: each takes the payment published for it and crashes
+        for _point, pid in plan.crashed:
+            worker = await lab.spawns.release()
+            assert worker is not None
+            lab.handed[worker.pid] = pid
+            await lab.publish(pid, "first")
+            await wait(lambda w=worker: not w.alive, STEP_WAIT)
+            await lab.spawns.stop(worker)  # if its planned crash did not happen, faults_fired says so
+    async with phase("the race"):  # the long-running workers: one payment published twice at once
+        released = time.time()
+        pair = [await lab.spawns.release() for _ in range(2)]
+        # Both have started (set up their tables, asked for messages) before the race opens: any write of
+        # theirs from here on is for the raced payment, the one thing they are given.
+        await wait(lambda: sum(p.ts >= released for p in lab.watch.pulls) >= 2, STEP_WAIT)
+        lab.race = _Race(payment=plan.race, pair=tuple(w.pid for w in pair if w is not None), open=True)
+        raced = [await lab.publish(plan.race, "first"), await lab.publish(plan.race, "copy")]
+        await wait(lambda: not lab.race.open or not lab.workers_alive(), RACE_WAIT + STEP_WAIT)
+        lab.race.open = False
+    async with phase("plain payments"):
+        plain = [await lab.publish(pid, "first") for pid in plan.plain]
+        lab.drained = await wait(lambda: lab.settled(p.seq for p in raced + plain), SETTLE_WAIT)
+        lab.drained = lab.drained and lab.workers_alive()  # settled because no worker is left: not drained
+    async with phase("idle"):  # rule 2: until a worker's fetch expired and it asked again
+        # The quiet starts at the last ack: a pull request sent after it that waited out its expires,
+        # followed by another pull request, proves a worker survived an empty fetch (an ack in between
+        # would mean a message came).
+        lab.idle_since = max((a.ts for a in lab.watch.acks if a.kind in ("ack", "term")), default=time.time())
 
-    def refetched() -> bool:
-        # Naks do not end the quiet: a message nak'ed in a loop is the learner's stuck message, not traffic.
-        done = (a.ts for a in lab.watch.acks if a.kind in ("ack", "term"))
-        quiet = lab.quiet = max([lab.idle_since or 0.0, *done])
-        lab.refetch = lab.watch.refetched_after_idle(quiet)
-        if lab.refetch is not None or not lab.workers_alive():
-            return True
-        longest = max((p.expires for p in lab.watch.pulls), default=0.0)
-        return time.time() - quiet > max(IDLE_MIN, 2 * longest + 1.0)  # no worker fetched again: stop waiting
+        def refetched() -> bool:
+            # Naks do not end the quiet: a message nak'ed in a loop is the learner's stuck message, not traffic.
+            done = (a.ts for a in lab.watch.acks if a.kind in ("ack", "term"))
+            quiet = lab.quiet = max([lab.idle_since or 0.0, *done])
+            lab.refetch = lab.watch.refetched_after_idle(quiet)
+            if lab.refetch is not None or not lab.workers_alive():
+                return True
+            longest = max((p.expires for p in lab.watch.pulls), default=0.0)
+            return time.time() - quiet > max(IDLE_MIN, 2 * longest + 1.0)  # no worker fetched again: stop waiting
 
-    await run.wait_for(refetched, 0.2 if stalled else IDLE_CAP)  # a quiet spell has no effects by design
-    late = await lab.publish(plan.late, "late")
-    await wait(lambda: lab.settled([late.seq]), SETTLE_WAIT)
-    # 4. The redeliveries; the gateway's clock moves 25 h before the last crashed payment reaches it again.
-    await lab.advance_when_settled()
-    await lab.publish(plan.day_later, "day_later")
-    await wait(lambda: lab.settled(p.seq for p in lab.published), SETTLE_WAIT + ACK_WAIT)
+        await run.wait_for(refetched, 0.2 if stalled else IDLE_CAP)  # a quiet spell has no effects by design
+    async with phase("late payment"):  # ... and a payment that comes after it
+        late = await lab.publish(plan.late, "late")
+        await wait(lambda: lab.settled([late.seq]), SETTLE_WAIT)
+    async with phase("a day later"):  # the gateway's clock moves 25 h before the last crashed payment reaches it
+        await lab.advance_when_settled()
+        await lab.publish(plan.day_later, "day_later")
+        await wait(lambda: lab.settled(p.seq for p in lab.published), SETTLE_WAIT + ACK_WAIT)
 
 
 # --- evidence ----------------------------------------------------------------------------------
@@ -721,7 +750,7 @@ class _Evidence:
             for s in steps.values():
                 if s and min(t for t, _ in s) < lab.advanced_at < max(t for t, _ in s):
                     s.append((lab.advanced_at, "the gateway's clock moved 25 h forward (a day passes)"))
-        traces = {pid: _squash([f"{lab.run.at(ts)} {text}" for ts, text in sorted(s)]) for pid, s in steps.items()}
+        traces = {pid: rules.squash([f"{lab.run.at(ts)} {text}" for ts, text in sorted(s)]) for pid, s in steps.items()}
         return cls(lab, charges, requests, ledger, ledger_error, info, traces)
 
     @property
@@ -784,16 +813,9 @@ class _Evidence:
         return f"\n{who} ended on {own} ({what}): {tail} (see no_unplanned_deaths)."
 
 
-def _squash(lines: list[str], keep: int = 14) -> list[str]:
-    """A trace short enough to read: long repeated tails (a nak loop) are cut."""
-    if len(lines) <= keep:
-        return lines
-    return [*lines[: keep - 2], f"... {len(lines) - keep + 1} more steps ...", lines[-1]]
-
-
-def _n(count: int, noun: str) -> str:
+def _were(count: int, noun: str) -> str:
     """'1 payment was' / '3 payments were'."""
-    return f"{count} {noun} was" if count == 1 else f"{count} {noun}s were"
+    return f"{plural(count, noun)} {'was' if count == 1 else 'were'}"
 
 
 def _keys_text(keys: list[str | None]) -> str:
@@ -922,7 +944,7 @@ def _credited_once_check(ev: _Evidence) -> Check:
     pid = doubled[0]
     cents = ev.plan.payment(pid)["cents"]
     message = (
-        f"{_n(len(doubled), 'payment')} credited more than once: {pid} ({cents} cents) has {ev.ledger[pid]} rows in "
+        f"{_were(len(doubled), 'payment')} credited more than once: {pid} ({cents} cents) has {ev.ledger[pid]} rows in "
         "your ledger."
     )
     race = ev.lab.race
@@ -971,7 +993,7 @@ def _stable_key_check(ev: _Evidence) -> Check:
         pid = unstable[0]
         keys = [r.idempotency_key for r in ev.requests[pid]]
         message = (
-            f"{_n(len(unstable), 'payment')} sent to the gateway under more than one key: {pid} was sent "
+            f"{_were(len(unstable), 'payment')} sent to the gateway under more than one key: {pid} was sent "
             f"{len(set(keys))} different keys ({_keys_text(keys)}){_spread(ev, pid)}."
         )
     else:
@@ -985,70 +1007,38 @@ def _stable_key_check(ev: _Evidence) -> Check:
 
 
 def _acked_check(ev: _Evidence) -> Check:
-    title = "every payment message is acked on the durable 'payments' (nothing stuck)"
-    info = ev.info
-    pending, unacked = info.num_pending, info.num_ack_pending
-    if pending == 0 and unacked == 0:
-        return Check("all_acked", title, True)
-    message = (
-        f"the durable 'payments' still has {pending} undelivered and {unacked} delivered-but-unacked messages "
-        f"({info.num_redelivered} redelivered) at the end of the run."
-    )
     stuck = [p for p in ev.lab.published if ev.lab.stuck(p.seq)]
-    trace: list[str] = []
-    hint = "handle every delivery to the end, duplicates included, and ack it"
-    if stuck:
-        p = stuck[0]
-        naks = sum(a.kind == "nak" for a in ev.lab.watch.of(p.seq))
-        message += (
-            f"\n{p.payment_id} (stream seq {p.seq}) was nak'ed {naks} times: every delivery of it failed, so it can "
-            "never be acked."
-        )
-        trace = ev.trace(p.payment_id)
-        hint = (
-            "a duplicate is not an error: when a payment was already credited, skip the work and ack it, instead "
-            "of raising and letting it come back forever"
-        )
-    message += ev.deaths()
-    return Check("all_acked", title, False, message, trace=trace, hint=hint)
-
-
-def _late_check(ev: _Evidence) -> Check:
-    title = "a payment published after an idle spell is handled by a worker that was already running"
-    lab = ev.lab
-    late = next((p for p in lab.published if p.label == "late"), None)
-    if late is None:
-        return Check("late_payment_handled", title, False, "the late payment was never published (grader stopped)",
-                     hint="keep your workers running")  # fmt: skip
-    idle_for = late.ts - (lab.quiet or late.ts)
-    handlers = {c.pid for c in lab.calls if c.payment_id == late.payment_id}
-    running = {c.pid for c in lab.steady}
-    longest = max((p.expires for p in lab.watch.pulls), default=0.0)
-    # A worker that handled the late payment after an idle gap longer than any fetch's expiry fetched again.
-    waited = lab.refetch is not None or idle_for > longest
-    ok = bool(handlers & running) and bool(lab.watch.acked(late.seq)) and waited
-    if ok:
-        return Check("late_payment_handled", title, True)
-    if lab.refetch is not None:
-        seen = (
-            f"the queue was idle for {idle_for:.1f} s and a worker asked the broker again after its fetch expired "
-            f"(at {lab.run.at(lab.refetch.ts)})"
-        )
-    else:
-        last = max((p.ts for p in lab.watch.pulls), default=lab.idle_since or late.ts)
-        seen = (
-            f"the queue was idle for {idle_for:.1f} s and no worker asked the broker for messages again after its "
-            f"fetch expired (the last pull request was at {lab.run.at(last)}, waiting {longest:.2f} s)"
-        )
-    message = f"{late.payment_id} was published at {lab.run.at(late.ts)}, after {seen}. "
-    if not lab.watch.acked(late.seq):
-        message += "No worker took it to the end: it was never acked."
-    elif not handlers & running:
-        message += "It was handled, but not by one of the workers that had been running."
-    else:
-        message += "It was handled, but no worker was seen fetching again after an empty fetch."
-    message += ev.deaths()
-    return Check(
-        "late_payment_handled", title, False, message, trace=ev.trace(late.payment_id),
-        hint="a worker runs until it is stopped: an empty fetch means 'nothing yet', so ask again, never return",
+    if not stuck:
+        hint = "handle every delivery to the end, duplicates included, and ack it"
+        return rules.drained_check(ev.info, DURABLE, ACK_WAIT, noun="payment", hint=hint)
+    p = stuck[0]
+    naks = sum(a.kind == "nak" for a in ev.lab.watch.of(p.seq))
+    return rules.drained_check(
+        ev.info, DURABLE, ACK_WAIT, noun="payment", trace=ev.trace(p.payment_id),
+        stuck=[f"{p.payment_id} (stream seq {p.seq}) was nak'ed {naks} times: every delivery of it failed"],
+        hint="a duplicate is not an error: when a payment was already credited, skip the work and ack it, instead "
+        "of raising and letting it come back forever",
     )  # fmt: skip
+
+
+IDLE_WORDS = rules.IdleWords(
+    title="a payment published after an idle spell is handled by a worker that was already running",
+    done="charged and acked",
+    hint_ended="a worker runs until it is stopped: an empty fetch means 'nothing yet', so ask again, never return",
+    hint_slow="keep fetching from the durable and handle each payment as it comes",
+    failures=("GatewayError", "IdempotencyKeyReused", "IdempotencyKeyInUse"),
+)
+
+
+def _idle_check(ev: _Evidence) -> Check:
+    """Rule 2 (rules.survives_idle): the late payment is charged and acked by a long-running worker."""
+    lab = ev.lab
+    late = next(p for p in lab.published if p.label == "late")
+    handled = [c.pid for c in lab.calls if c.payment_id == late.payment_id] if lab.watch.acked(late.seq) else []
+    # Two long-running workers: judged on the one that handled it, else one still running, else the last.
+    current = next((c for c in lab.steady if c.pid in handled), None)
+    current = current or next((c for c in lab.steady if c.alive), None) or (lab.steady[-1] if lab.steady else None)
+    proof = rules.IdleProof(
+        late.payment_id, late.ts, lab.quiet or late.ts, lab.drained, lab.refetch, IDLE_CAP, SETTLE_WAIT
+    )
+    return rules.survives_idle(lab.run.at, proof, current, handled, ev.trace(late.payment_id), IDLE_WORDS)

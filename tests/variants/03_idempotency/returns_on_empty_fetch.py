@@ -1,8 +1,8 @@
 """Wrong: the reference handler, but the worker returns when a fetch comes back empty: after an idle
 spell no worker is left, and a payment published then is never handled.
 
-Expect: fail late_payment_handled, no_unplanned_deaths
-Says: never acked
+Expect: fail survives_idle, no_unplanned_deaths
+Says: had returned on its own
 Says: returned on its own
 """
 
