@@ -186,6 +186,19 @@ def test_the_pin_moves_to_b_while_a_holds_an_unacked_event_unless_max_ack_pendin
     assert one["B's first event"] == "e0 (delivery 2)"  # only after ack_wait, A's event again, first
 
 
+def test_two_tokens_are_hashed_joined_with_no_separator_so_ab_c_and_a_bc_collide(no_nats_url: None) -> None:
+    keys = ["ab.c", "a.bc"] + [f"o-{i}.c-{i % 7}" for i in range(40)]
+    stored = run(lambda shop: pk.two_token_partitions(shop.js, keys), workers=0)
+    assert set(stored) == set(keys) and stored["ab.c"] == stored["a.bc"]
+    assert all(p == oe.partition(key.replace(".", ""), 5) for key, p in stored.items())
+
+
+def test_a_mappings_block_in_the_server_config_partitions_what_streams_store_too() -> None:
+    keys = [f"o-{i}" for i in range(30)]
+    seen = asyncio.run(pk.server_mappings(keys))
+    assert seen["stored by the stream on part.>"] == seen["of them on part.<partition(key)>.<key>"] == len(keys)
+
+
 def test_pythons_hash_differs_between_processes() -> None:
     keys = [f"o-{i}" for i in range(24)]
     one, other = pk.hash_in_processes(keys, 4)

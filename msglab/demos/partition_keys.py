@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from msglab.notebook.demo_process import DemoProcess
@@ -568,6 +569,54 @@ async def pin_takeover(js: Any, max_ack_pending: int = 1000) -> dict[str, Any]:
     await b.unsubscribe()
     await delete_stream(js, PINNED)
     return {"A holds, unacked": held[0], "B's first event": got[0] if got else "none", "after": f"{after:.1f} s"}
+
+
+async def two_token_partitions(js: Any, keys: Sequence[str], n: int = 5) -> dict[str, int]:
+    """Where a stream transform `{{partition(n,1,2)}}` stores each two-token key ("ab.c"): key -> partition."""
+    from nats.js.api import SubjectTransform
+
+    from msglab.broker import delete_stream
+
+    name = "LESSON06_TOKENS"
+    await delete_stream(js, name)
+    dest = f"lesson06tok.{{{{partition({n},1,2)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}"
+    await js.add_stream(name=name, subjects=["lesson06two.*.*"],
+                        subject_transform=SubjectTransform(src="lesson06two.*.*", dest=dest))  # fmt: skip
+    try:
+        for key in keys:
+            await js.publish(f"lesson06two.{key}", b"")
+        stored = (await js.stream_info(name, subjects_filter=">")).state.subjects or {}
+        return {".".join(s.split(".")[2:]): int(s.split(".")[1]) for s in stored}
+    finally:
+        await delete_stream(js, name)
+
+
+async def server_mappings(keys: Sequence[str], n: int = 3) -> dict[str, Any]:
+    """A server of its own whose config maps `in.*` to `part.{{partition(n,1)}}.<key>` for the whole
+    account: does a stream on `part.>` store what is published to `in.<key>`, where partition() puts it?"""
+    import tempfile
+
+    import nats
+
+    from msglab.broker.server import EmbeddedServer
+    from msglab.world.order_events import partition
+
+    with tempfile.TemporaryDirectory(prefix="msglab-lesson06-") as folder:
+        conf = Path(folder) / "mappings.conf"
+        conf.write_text(f'mappings = {{ "in.*": "part.{{{{partition({n},1)}}}}.{{{{wildcard(1)}}}}" }}\n')
+        with EmbeddedServer(config=str(conf)) as server:
+            nc = await nats.connect(server.url)
+            try:
+                js = nc.jetstream()
+                await js.add_stream(name="PARTS", subjects=["part.>"])
+                for key in keys:
+                    await js.publish(f"in.{key}", b"")
+                stored = (await js.stream_info("PARTS", subjects_filter=">")).state.subjects or {}
+            finally:
+                await nc.close()
+    where = sum(stored.get(f"part.{partition(k, n)}.{k}", 0) for k in keys)
+    return {"published to in.<key>": len(keys), "stored by the stream on part.>": sum(stored.values()),
+            "of them on part.<partition(key)>.<key>": where}  # fmt: skip
 
 
 def hash_in_processes(keys: Sequence[str], n: int, processes: int = 2) -> list[list[int]]:
