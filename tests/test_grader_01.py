@@ -8,7 +8,6 @@ the evidence behind a passing run, and files made in a test to exercise one grad
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -48,24 +47,25 @@ def test_starter_fails_and_teaches_temporal_coupling(no_nats_url: None) -> None:
     assert "before env.request_timeout (0.8 s)" in early.message
     assert all(c.message and c.hint for c in verdict.failures)
     # Nothing is claimed that did not happen: the starter's worker never asked the durable for anything.
-    idle = failed(verdict, "worker_survives_idle")
+    idle = failed(verdict, "survives_idle")
     assert "never asked the durable 'email'" in idle.message
     assert "survived" not in idle.message
 
 
 def test_a_passing_run_shows_every_rule_at_work(no_nats_url: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, Any] = {}
+    seen: list[lab01.Evidence] = []
     judge = lab01.judge
 
-    def spy(*args: Any) -> list[Check]:
-        seen["run"], seen["plan"], seen["stream"], seen["watch"], seen["workers"], _, seen["idle"] = args
-        return judge(*args)
+    def spy(ev: lab01.Evidence) -> list[Check]:
+        seen.append(ev)
+        return judge(ev)
 
     monkeypatch.setattr(lab01, "judge", spy)
     verdict = grade("01", solution=True, seed=7)
     assert verdict.passed, verdict.to_text()
     assert verdict.seconds < 10  # about 2 s idle: no deadline was waited out
-    run, plan, watch, workers = seen["run"], seen["plan"], seen["watch"], seen["workers"]
+    ev = seen[0]
+    run, plan = ev.run, ev.plan
     # Rule 1: both planned SIGKILLs of the email worker fired, one before an email and one after.
     assert sorted(e.detail["when"] for e in run.log.events("crash", "send_email")) == ["after", "before"]
     # Rule 4: the order placed while the stream refused was refused by place_order, with the stream's error.
@@ -78,13 +78,13 @@ def test_a_passing_run_shows_every_rule_at_work(no_nats_url: None, monkeypatch: 
     emails = lab01._emails(run)
     twice = [oid for oid, sent in emails.items() if len(sent) > 1]
     assert twice, "the crash after an email should have made the solution send one twice"
-    allowance = lab01._allowance(run, watch, seen["stream"], twice[0])
-    assert allowance.allowed == len(emails[twice[0]]) and allowance.kills
-    # Rule 2: the last worker waited out an empty fetch, asked again, and emailed the late order itself.
-    idle = seen["idle"]
-    assert idle.again is not None and idle.again.ts >= idle.waited.ts + idle.waited.expires * 0.95
+    allowance = lab01._allowance(run, ev.watch, ev.stream, ev.email.ended, twice[0])
+    assert allowance.allowed == len(emails[twice[0]]) and allowance.held
+    # Rule 2: the backlog drained, the last worker asked again after an empty fetch, and emailed the late order itself.
+    proof = ev.idle.proof
+    assert proof.drained and proof.refetch is not None and proof.refetch.ts > proof.since
     late = emails[plan.one("late").id]
-    assert [e.pid for e in late] == [workers.children[-1].pid]
+    assert [e.pid for e in late] == [ev.last_worker.pid]
 
 
 def test_a_worker_that_stops_asking_after_an_empty_fetch_is_caught(no_nats_url: None, tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_a_worker_that_stops_asking_after_an_empty_fetch_is_caught(no_nats_url: 
     )
     path.write_text("import asyncio\n" + path.read_text())
     verdict = grade("01", source=path, seed=1)
-    idle = failed(verdict, "worker_survives_idle")
+    idle = failed(verdict, "survives_idle")
     assert "was never followed by another: it did not ask again after an empty fetch" in idle.message
     assert "no_unplanned_deaths" not in {c.name for c in verdict.failures}  # it is alive, just deaf
 

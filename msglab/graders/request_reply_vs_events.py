@@ -3,30 +3,33 @@
 The shop (played by the grader, out of the learner's reach): an inventory service that answers
 stock reservations on `inventory.reserve`, a loyalty service that answers on `loyalty.award` and
 also reads every `orders.placed` event from its durable 'loyalty', the stream ORDERS with the
-durables 'email' and 'loyalty'. The learner's file is the order service (`place_order`, run in
-two service processes) and the email service (`email_worker`, three incarnations).
+durables 'email' and 'loyalty' (two Topology objects on one stream). The learner's file is the
+order service (`place_order`, run in two service processes) and the email service
+(`email_worker`, three incarnations, started ahead of their turn and held until released).
 
-Workload (seeded), 12 orders, each with a sku of its own:
+Workload (seeded), 12 orders, each with a sku of its own, in phases:
   1. every service up: o-1; then o-2 while the loyalty service ignores the request about it
      (silent); then two more, one at a time (each emailed before the next, so the crash falls on
      the same order on every replay). Email worker #1 is SIGKILLed at its email #3 or #4 (before
      or after the email goes out);
-  2. email down (#1 dead, #2 not started): three more orders;
+  2. email down (#1 dead, #2 not released): three more orders;
   the order the inventory has no stock for, and the order placed while the stream refuses every
      publish (full, discard-new), are slotted into 1-2 at seeded places;
   3. inventory down (nobody subscribed): one order; it must be refused at once;
-  4. email worker #2 starts and is SIGKILLed at its email #1-#3 (the other of before/after);
+  4. email worker #2 is released and SIGKILLed at its email #1-#3 (the other of before/after);
      meanwhile the second service process places one order the inventory never answers
      (silent): refused with InventoryUnavailable, after env.request_timeout and not before;
-  5. email worker #3 starts and catches up; once the durable is drained and #3 has survived an
-     empty fetch (seen on the broker), a late order: #3 itself must email it.
+  5. email worker #3 is released and catches up; once the durable is drained and #3 has asked
+     again after an empty fetch (seen on the broker), a late order: #3 itself must email it.
 
 Invariants judged on the effect log, the stream, the consumers and the acks the broker saw:
 an order is accepted exactly when stock was confirmed and the stream stored its event, whatever
 email and loyalty do; refusals name the cause (OutOfStock, InventoryUnavailable) and come at the
 right time; refused orders are never announced; every accepted order is emailed and reaches
-loyalty exactly once (an extra email only where a worker was killed holding the delivery before
-its ack); the durable 'email' ends fully acked; the worker keeps running through quiet spells.
+loyalty exactly once; an extra email only where rule 6 allows it (`rules.allowance`: a worker
+that emailed it ended before the broker had its ack); the durable 'email' ends drained
+(`all_acked`); the running worker survives a quiet spell (`survives_idle`, rule 2). Rules 1 and 3
+(`faults_fired`, `no_unplanned_deaths`) are the platform's, added by grade.py.
 """
 
 from __future__ import annotations
@@ -35,26 +38,33 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from msglab.broker import settle_subscriptions
-from msglab.grading.harness import Child, Reply, Run
-from msglab.grading.labkit import LabEnv, provision
+from msglab.grading import rules
+from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import BrokerWatch, refuse_publishes
+from msglab.grading.rules import plural
+from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, held
 from msglab.grading.verdict import Check
 
-STREAM = "ORDERS"
+if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
+    from msglab.grading.harness import Child, Reply, Run
+
 SUBJECT = "orders.placed"
-EMAIL, LOYALTY = "email", "loyalty"  # the durables on SUBJECT
 INVENTORY = "inventory.reserve"
 LOYALTY_ASK = "loyalty.award"
 ACK_WAIT = 0.5  # seconds; production uses 30 s or more, a lab cannot wait that long
+# The platform team's part: one stream, and a durable on orders.placed for each reacting service.
+EMAIL_TOPOLOGY = Topology("ORDERS", "orders.>", "email", SUBJECT, ACK_WAIT)
+LOYALTY_TOPOLOGY = Topology("ORDERS", "orders.>", "loyalty", SUBJECT, ACK_WAIT)
+STREAM, DURABLES = EMAIL_TOPOLOGY.stream, (EMAIL_TOPOLOGY.durable, LOYALTY_TOPOLOGY.durable)
+EMAIL, LOYALTY = DURABLES
 REQUEST_TIMEOUT = 0.8  # env.request_timeout: not nats-py's default (0.5 s), so a missing timeout shows
 SILENT_MIN = REQUEST_TIMEOUT - 0.01  # giving up on a silent inventory sooner than this ignores the timeout
 SILENT_MAX = REQUEST_TIMEOUT + 0.7  # generous for a busy machine; asking twice goes over it
@@ -72,6 +82,7 @@ IDLE_MARGIN = 1.0  # ... and ask once more within its own fetch expiry plus this
 IDLE_CAP = 7.0  # the longest the grader waits for idle survival at all (nats-py's default fetch: 5 s)
 LATE_DEADLINE = 2.0  # the late order must be emailed within this
 SETTLE = 2.0  # at the end, how long email and loyalty have to finish
+TRACE_LINES = 16  # steps quoted per order in a verdict
 PARAMS = {"request_timeout": REQUEST_TIMEOUT}  # what env carries besides connections and names
 
 ORDERS_AT_ONCE = ["base", "loyalty_silent"]  # the first two, always, email up
@@ -87,6 +98,7 @@ ROLE_WORDS = {
     "inventory_silent": "placed while the inventory service was silent",
     "late": "placed late, after a quiet spell",
 }
+WHERE = {"before": "before the email went out", "after": "right after the email"}  # a crash, in the lab's words
 
 
 # --- what runs inside the learner's processes ------------------------------------------------
@@ -131,36 +143,20 @@ def ops_orders(env: LabEnv, learner: Any) -> dict[str, Any]:
     return {"place_order": place_order}
 
 
-async def _wait_for_go() -> None:
-    """Block until the grader writes a line on stdin: the process is started ahead of its turn."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    await reader.readline()
-
-
 async def role_email_worker(env: LabEnv, learner: Any) -> None:
-    """One incarnation of the email worker: waits for its turn, then runs until it is killed."""
+    """One incarnation of the email worker: waits held for its turn, then runs until it is killed."""
     _add_effects(env)
-    await _wait_for_go()
+    held(env)
     await learner.email_worker(env)
 
 
 # --- the lab notebook's playground --------------------------------------------------------------
 
 
-async def _setup(js: Any, names: Any) -> None:
-    # The platform team's part: the stream and both durables exist before any service starts.
-    await provision(js, names, stream=STREAM, wildcard="orders.>", durable=EMAIL, subject=SUBJECT, ack_wait=ACK_WAIT)
-    from nats.js.api import AckPolicy, ConsumerConfig
-
-    config = ConsumerConfig(
-        durable_name=names.durable(LOYALTY),
-        filter_subject=names.subject(SUBJECT),
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=ACK_WAIT,
-    )
-    await js.add_consumer(names.stream(STREAM), config)
+async def _provision(js: Any, names: Any) -> None:
+    """The stream and both durables, before any service starts (grader and playground alike)."""
+    for topology in (EMAIL_TOPOLOGY, LOYALTY_TOPOLOGY):
+        await topology.provision(js, names)
 
 
 def _order_id(data: bytes) -> str | None:
@@ -255,7 +251,7 @@ class PlaygroundShop:
 
 async def playground(env: Any) -> None:
     """For the lab notebook: the stream and durables, inventory and loyalty, and effects that print."""
-    await _setup(env.js, env.names)
+    await _provision(env.js, env.names)
     shop = PlaygroundShop(env)
     await shop.start()
     env.shop = shop
@@ -359,11 +355,12 @@ class Plan:
         kinds = ["before", "after"]
         crash = rng(seed, "crash")
         crash.shuffle(kinds)
-        crashes = [
-            Crash("send_email", crash.randint(3, 4), kinds[0]),
-            Crash("send_email", crash.randint(1, 3), kinds[1]),
-        ]
+        crashes = [_crash(crash.randint(3, 4), kinds[0]), _crash(crash.randint(1, 3), kinds[1])]
         return cls(orders, middle, crashes)
+
+    def faults(self, incarnation: int) -> list[Crash]:
+        """The crash plan of email worker #incarnation+1 (the third has none)."""
+        return self.crashes[incarnation : incarnation + 1]
 
     def by_role(self, role: str) -> list[Order]:
         return [o for o in self.orders if o.role == role]
@@ -373,6 +370,18 @@ class Plan:
 
     def get(self, oid: str) -> Order:
         return next(o for o in self.orders if o.id == oid)
+
+
+def _crash(call: int, when: str) -> Crash:
+    return Crash(
+        "send_email",
+        call,
+        when,
+        point=f"{WHERE[when]} on its env.send_email call #{call}",
+        counted="env.send_email call",
+        hint="every event your email worker takes must go to env.send_email, one call per event, while the process"
+        " keeps running",
+    )
 
 
 # --- the course's services, played by the grader -------------------------------------------------
@@ -511,40 +520,18 @@ class Stream:
         return max((s for s, (subject, _, _) in self.events.items() if subject == self.placed), default=0)
 
 
-@dataclass
-class Workers:
-    """The email worker's incarnations, started ahead of their turn and released one at a time."""
-
-    children: list[Child] = field(default_factory=list)
-    released: dict[int, float] = field(default_factory=dict)  # pid -> when
-
-    async def release(self, child: Child) -> None:
-        assert child.proc.stdin is not None
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            child.proc.stdin.write(b"go\n")
-            await child.proc.stdin.drain()
-        self.released[child.pid] = time.time()
-
-    def label(self, pid: int) -> str:
-        for n, child in enumerate(self.children, 1):
-            if child.pid == pid:
-                return f"email worker #{n} (pid {pid})"
-        return f"process {pid}"
-
-
 class OrderDesk:
     """The order-service processes: calls one order at a time, restarts a process the grader stopped."""
 
-    def __init__(self, run: Run, children: dict[str, Child], workers: Workers, stream: Stream) -> None:
+    def __init__(self, run: Run, children: dict[str, Child], email: HeldSpawns, stream: Stream) -> None:
         self.run = run
         self.children = children
-        self.workers = workers
+        self.email = email
         self.stream = stream
         self.hung = 0
 
     async def place(self, order: Order) -> Order:
-        up = any(c.alive and c.pid in self.workers.released for c in self.workers.children)
-        order.email_state = "up" if up else "down"
+        order.email_state = "up" if any(c.alive for c in self.email.released) else "down"
         order.started = order.ended = time.time()
         if self.hung >= MAX_HUNG:
             order.skipped = True
@@ -563,164 +550,145 @@ class OrderDesk:
 # --- the grader ----------------------------------------------------------------------------------
 
 
+@dataclass
+class Idle:
+    """Rule 2's evidence (rules.IdleProof) and the late order it is judged on."""
+
+    proof: rules.IdleProof
+    late: Order
+
+
 async def grade(run: Run) -> list[Check]:
-    """Run the workload with its faults and judge the invariants."""
+    """Run the workload with its faults, phase by phase, and judge the invariants."""
     plan = Plan.draw(run.seed)
-    await _setup(run.js, run.names)
-    shop = Shop(run, plan)
-    stream = Stream(run)
-    watch = await BrokerWatch(run.names.stream(STREAM), run.names.durable(EMAIL)).start(run.nc)
+    await _provision(run.js, run.names)
+    shop, stream = Shop(run, plan), Stream(run)
+    watch = await EMAIL_TOPOLOGY.watch(run)
     await shop.start()
-    spawned = await asyncio.gather(
-        run.spawn("orders", params=PARAMS),
-        run.spawn("orders", params=PARAMS),
-        *(run.spawn("email_worker", faults=[crash], params=PARAMS) for crash in plan.crashes),
-        run.spawn("email_worker", params=PARAMS),
-    )
-    service_a, service_b, *incarnations = spawned
-    workers = Workers(list(incarnations))
-    w1, w2, w3 = incarnations
-    desk = OrderDesk(run, {"A": service_a, "B": service_b}, workers, stream)
+    email = HeldSpawns(run, "email_worker", plan.faults, limit=len(plan.crashes) + 1, params=PARAMS)
+    email.prepare(len(plan.crashes) + 1)
     try:
-        return await _run(run, plan, shop, stream, watch, workers, desk, (w1, w2, w3))
+        orders = await asyncio.gather(run.spawn("orders", params=PARAMS), run.spawn("orders", params=PARAMS))
+        desk = OrderDesk(run, {"A": orders[0], "B": orders[1]}, email, stream)
+        idle = await _workload(run, plan, shop, stream, watch, email, desk)
     finally:
+        await email.cancel()
         await shop.stop()
         await watch.stop()
+    await email.settle()  # so rule 6 knows when each worker ended, and rule 3 sees one that ended on its own
+    await stream.scan()
+    return judge(Evidence(run, plan, stream, watch, email, await EMAIL_TOPOLOGY.info(run), idle))
 
 
-async def _run(
-    run: Run,
-    plan: Plan,
-    shop: Shop,
-    stream: Stream,
-    watch: BrokerWatch,
-    workers: Workers,
-    desk: OrderDesk,
-    incarnations: tuple[Child, Child, Child],
-) -> list[Check]:
-    w1, w2, w3 = incarnations
+async def _workload(
+    run: Run, plan: Plan, shop: Shop, stream: Stream, watch: BrokerWatch, email: HeldSpawns, desk: OrderDesk
+) -> Idle:
+    phase = Phases(run)
 
-    async def email_consumer() -> Any:
-        return await run.js.consumer_info(run.names.stream(STREAM), run.names.durable(EMAIL))
-
-    async def drained(durable: str) -> bool:
+    async def drained(topology: Topology) -> bool:
+        # Also past the last event the stream stored: a durable learns of a new one a moment later.
         await stream.scan()
-        info = await run.js.consumer_info(run.names.stream(STREAM), run.names.durable(durable))
-        return bool(
-            info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.stream_seq >= stream.last_placed
-        )
+        info = await topology.info(run)
+        return rules.drained(info) and info.delivered.stream_seq >= stream.last_placed
 
     def decided() -> bool:
         """An email went out more often than the crashes allow: waiting longer only adds more."""
-        return any(_email_excess(run, watch, stream, settled=False).values())
+        for child in email.released:
+            email.note_end(child)
+        return bool(_email_excess(run, watch, stream, email.ended, settled=False))
 
     async def crash_or_idle(child: Child) -> None:
         """Wait for the child's planned crash, unless it can no longer come (nothing left for it to email)."""
 
         async def over() -> bool:
-            return not child.alive or decided() or await drained(EMAIL)
+            return not child.alive or decided() or await drained(EMAIL_TOPOLOGY)
 
         await run.wait_for(over, CRASH_DEADLINE)
-        if child.alive:
-            await child.kill()
+        await email.stop(child)
 
-    # 1-2: every service up, then the email worker down; the two extras fall where the seed put them.
-    await workers.release(w1)
-    # A worker on the durable shows it is running with its first pull; a worker of another kind
-    # shows nothing the grader can see, so it gets a moment to subscribe before the first order.
-    await run.wait_for(lambda: bool(watch.pulls) or not w1.alive, W1_SETTLE)
-    for step in [o.id for o in plan.orders[:2]] + plan.middle:
-        if step == "WAIT":
-            await crash_or_idle(w1)
-            continue
-        order = plan.get(step)
-        if order.role == "stream_refused":
-            await stream.scan()
-            async with refuse_publishes(run.js, run.names.stream(STREAM)):
+    async with phase("every service up, then email down"):  # the two extras fall where the seed put them
+        w1 = await email.release()
+        assert w1 is not None
+        # A worker on the durable shows it is running with its first pull; a worker of another kind
+        # shows nothing the grader can see, so it gets a moment to subscribe before the first order.
+        await run.wait_for(lambda: bool(watch.pulls) or not w1.alive, W1_SETTLE)
+        for step in [o.id for o in plan.orders[:2]] + plan.middle:
+            if step == "WAIT":
+                await crash_or_idle(w1)
+                continue
+            order = plan.get(step)
+            if order.role == "stream_refused":
+                await stream.scan()
+                async with refuse_publishes(run.js, run.names.stream(STREAM)):
+                    await desk.place(order)
+                    await stream.scan()  # while still refusing: nothing can have been added since
+                    run.log.record("note", "refused_window_checked", order.id, present=bool(stream.seqs(order.id)))
+            else:
                 await desk.place(order)
-                await stream.scan()  # while still refusing: nothing can have been added since
-                run.log.record("note", "refused_window_checked", order.id, present=bool(stream.seqs(order.id)))
-        else:
-            await desk.place(order)
-        if w1.alive and order.accepted:
-            # One order at a time for email worker #1: its planned crash then falls on the same order
-            # on every replay of a seed, whatever its batch size.
-            await run.wait_for(_emailed_or_gone(run, order.id, w1), SERIAL_WAIT)
-    # 3: inventory down.
-    await shop.inventory_down()
-    await desk.place(plan.one("inventory_down"))
-    await shop.inventory_up()
-    # 4: email worker #2, and meanwhile an order the inventory never answers, in the other process.
-    silent = asyncio.ensure_future(desk.place(plan.one("inventory_silent")))
-    await workers.release(w2)
-    await crash_or_idle(w2)
-    # 5: email worker #3 catches up; then a quiet spell; then the late order.
-    await workers.release(w3)
+            if w1.alive and order.accepted:
+                # One order at a time for email worker #1: its planned crash then falls on the same order
+                # on every replay of a seed, whatever its batch size.
+                await run.wait_for(_emailed_or_gone(run, order.id, w1), SERIAL_WAIT)
+    async with phase("inventory down"):
+        await shop.inventory_down()
+        await desk.place(plan.one("inventory_down"))
+        await shop.inventory_up()
+    async with phase("inventory silent, email worker #2"):  # the silent order in the other process
+        silent = asyncio.ensure_future(desk.place(plan.one("inventory_silent")))
+        w2 = await email.release()
+        assert w2 is not None
+        await crash_or_idle(w2)
+    async with phase("email worker #3 catches up"):
+        w3 = await email.release()
+        assert w3 is not None
+        released = time.time()
 
-    def unread() -> bool:
-        """No worker has ever asked the durable for events, long after the last one started."""
-        return not watch.pulls and time.time() - workers.released[w3.pid] > FIRST_PULL
+        def unread() -> bool:
+            """No worker has ever asked the durable for events, long after the last one started."""
+            return not watch.pulls and time.time() - released > FIRST_PULL
 
-    async def caught_up() -> bool:
-        return decided() or unread() or await drained(EMAIL)
+        async def caught_up() -> bool:
+            return decided() or unread() or await drained(EMAIL_TOPOLOGY)
 
-    was_drained = await run.wait_for(caught_up, CATCH_UP) and await drained(EMAIL)
-    idle = await _wait_idle(run, watch, w3) if was_drained else IdleEvidence(drained=False)
-    late = plan.one("late")
-    await desk.place(late)
-    await run.wait_for(lambda: bool(_emails(run).get(late.id)) or not w3.alive, LATE_DEADLINE)
-    await silent
+        was_drained = await run.wait_for(caught_up, CATCH_UP) and await drained(EMAIL_TOPOLOGY)
+    async with phase("quiet spell"):  # rule 2: the running worker asks again after an empty fetch...
+        since = watch.acks[-1].ts if watch.acks else time.time()
+        refetch = await _wait_for_refetch(run, watch, w3, since) if was_drained else None
+        waited = time.time() - since
+    async with phase("late order"):  # ... and emails an order that comes later
+        late = plan.one("late")
+        late_at = time.time()
+        await desk.place(late)
+        await run.wait_for(lambda: bool(_emails(run).get(late.id)) or not w3.alive, LATE_DEADLINE)
+        await silent
+    async with phase("settle"):
 
-    async def settled() -> bool:
-        return decided() or unread() or (await drained(EMAIL) and await drained(LOYALTY))
+        async def settled() -> bool:
+            return decided() or unread() or (await drained(EMAIL_TOPOLOGY) and await drained(LOYALTY_TOPOLOGY))
 
-    await run.wait_for(settled, SETTLE)
-    await stream.scan()
-    info = await email_consumer()
-    return judge(run, plan, stream, watch, workers, info, idle)
+        await run.wait_for(settled, SETTLE)
+    proof = rules.IdleProof(late.id, late_at, since, was_drained, refetch, waited, LATE_DEADLINE)
+    return Idle(proof, late)
 
 
 def _emailed_or_gone(run: Run, oid: str, worker: Child) -> Callable[[], bool]:
     return lambda: oid in _emails(run) or not worker.alive
 
 
-@dataclass
-class IdleEvidence:
-    """What the broker showed of the last worker after the durable drained."""
+async def _wait_for_refetch(run: Run, watch: BrokerWatch, worker: Child, since: float) -> Any:
+    """Wait until the broker saw the worker ask again after an empty fetch (BrokerWatch.refetched_after_idle).
 
-    drained: bool
-    since: float = 0.0  # the last ack before the quiet spell
-    waited: Any = None  # a pull after `since` that waited out its expiry (observe.Pull)
-    again: Any = None  # the pull that came after it
-    last_pull: Any = None  # the last pull seen, if the worker never asked again
-
-
-async def _wait_idle(run: Run, watch: BrokerWatch, worker: Child) -> IdleEvidence:
-    """Wait until the worker has survived an empty fetch: a pull that waited out its expiry, then another."""
-    since = watch.acks[-1].ts if watch.acks else time.time()
-    evidence = IdleEvidence(drained=True, since=since)
+    A worker that sends no pull with an expiry within FIRST_PULL will not: no longer wait for it.
+    """
     started = time.monotonic()
 
     def first() -> Any:
         return next((p for p in watch.pulls if p.ts >= since and p.expires > 0), None)
 
     if await run.wait_for(lambda: first() is not None or not worker.alive, FIRST_PULL) and first() is not None:
-        pull = first()
-        budget = min(pull.expires + IDLE_MARGIN, IDLE_CAP - (time.monotonic() - started))
+        budget = min(first().expires + IDLE_MARGIN, IDLE_CAP - (time.monotonic() - started))
         await run.wait_for(lambda: watch.refetched_after_idle(since) is not None or not worker.alive, budget)
-    again = watch.refetched_after_idle(since)
-    if again is not None:
-        evidence.again = again
-        evidence.waited = next(
-            (
-                p
-                for p in watch.pulls
-                if since <= p.ts < again.ts and p.expires > 0 and again.ts >= p.ts + p.expires * 0.95
-            ),
-            None,
-        )
-    evidence.last_pull = watch.pulls[-1] if watch.pulls else None
-    return evidence
+    return watch.refetched_after_idle(since)
 
 
 # --- evidence helpers --------------------------------------------------------------------------------
@@ -740,61 +708,38 @@ def _awards(run: Run) -> dict[str, list[Any]]:
     return by_order
 
 
-@dataclass
-class Allowance:
-    """How often an order may be emailed, and the broker's evidence for it."""
-
-    allowed: int
-    kills: list[str]  # one phrase per worker killed after emailing it, before any ack of it reached the broker
-    deliveries: int | None  # the most deliveries of it the durable reported in acks; None: no ack to tell
+def _allowance(run: Run, watch: BrokerWatch, stream: Stream, ended: dict[int, float], oid: str) -> rules.Allowance:
+    """Rule 6 for one order's emails (rules.allowance), over its events on orders.placed."""
+    return rules.allowance(ended, _emails(run).get(oid, []), watch, stream.seqs(oid))
 
 
-def _allowance(run: Run, watch: BrokerWatch, stream: Stream, oid: str) -> Allowance:
-    """Once, plus once per worker the nemesis killed after it emailed the order, before its ack.
-
-    The evidence is the broker's: such a worker held a delivery the broker had no ack for, so the
-    event comes back. The allowance never exceeds the deliveries the durable itself reported (the
-    `delivered` count of the acks it received); a durable nobody ever asked delivered nothing.
-    """
-    kills = {e.pid: e for e in run.log.events("crash", "send_email")}
-    emails = _emails(run).get(oid, [])
-    seqs = stream.seqs(oid)
-    held: list[str] = []
-    for pid in dict.fromkeys(e.pid for e in emails):
-        kill = kills.get(pid)
-        last = [e for e in emails if e.pid == pid][-1]
-        if kill is None or kill.ts < last.ts or any(watch.acked(s, before=kill.ts) for s in seqs):
-            continue
-        held.append(f"pid {pid} was SIGKILLed after emailing it, before any ack of it reached the broker")
-    acks = [a for s in seqs for a in watch.of(s)]
-    deliveries = max(a.delivered for a in acks) if acks else (None if watch.pulls else 0)
-    allowed = 1 + len(held) if deliveries is None else max(1, min(1 + len(held), deliveries))
-    return Allowance(allowed, held, deliveries)
+def _allowed(allowance: rules.Allowance, watch: BrokerWatch) -> int:
+    # A durable nobody ever pulled from delivered nothing: every email then came from a consumer of the
+    # worker's own, which the durable's evidence cannot excuse.
+    return allowance.allowed if watch.pulls else 1
 
 
-def _email_excess(run: Run, watch: BrokerWatch, stream: Stream, *, settled: bool = True) -> dict[str, int]:
+def _email_excess(
+    run: Run, watch: BrokerWatch, stream: Stream, ended: dict[int, float], *, settled: bool = True
+) -> dict[str, int]:
     """Orders emailed more often than the evidence allows, and by how much.
 
     While the run goes on (`settled=False`) the ack of a legitimate redelivery may still be on its
-    way, so only the kills count there: an excess then is already certain.
+    way, so only the ended workers count there: an excess then is already certain.
     """
     excess = {}
     for oid, events in _emails(run).items():
-        allowance = _allowance(run, watch, stream, oid)
-        limit = allowance.allowed if settled else 1 + len(allowance.kills)
+        allowance = _allowance(run, watch, stream, ended, oid)
+        limit = _allowed(allowance, watch) if settled else 1 + len(allowance.held)
         if len(events) > limit:
             excess[oid] = len(events) - limit
     return excess
 
 
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def _of(some: list[Any], all_: list[Any], noun: str, be: bool = True) -> str:
     """'1 of 8 accepted orders was' / '2 of 8 accepted orders were' (without the verb if not `be`)."""
     verb = (" was" if len(some) == 1 else " were") if be else ""
-    return f"{len(some)} of {_plural(len(all_), noun)}{verb}"
+    return f"{len(some)} of {plural(len(all_), noun)}{verb}"
 
 
 @dataclass
@@ -805,12 +750,22 @@ class Evidence:
     plan: Plan
     stream: Stream
     watch: BrokerWatch
-    workers: Workers
-    info: Any
-    idle: IdleEvidence
+    email: HeldSpawns  # the email worker's incarnations, released in order
+    info: Any  # the durable 'email' at the end
+    idle: Idle
 
     def at(self, ts: float) -> str:
         return self.run.at(ts)
+
+    @property
+    def last_worker(self) -> Child:
+        return self.email.released[-1]
+
+    def label(self, pid: int) -> str:
+        for n, child in enumerate(self.email.released, 1):
+            if child.pid == pid:
+                return f"email worker #{n} (pid {pid})"
+        return f"process {pid}"
 
     def notes(self, name: str, oid: str) -> list[Any]:
         return [e for e in self.run.log.events("note", name) if e.key == oid]
@@ -818,45 +773,43 @@ class Evidence:
     def trace(self, oid: str) -> list[str]:
         """What happened to one order, in time order, one line each."""
         order = self.plan.get(oid)
-        steps: list[tuple[float, str]] = []
+        steps = Trace(self.run, TRACE_LINES)
         if order.reply is not None:
             words = ROLE_WORDS[order.role]
-            steps.append((order.started, f"{oid} {words} (email worker {order.email_state})"))
-            steps.append((order.ended, f"place_order {order.outcome()}"))
+            steps.add(order.started, f"{oid} {words} (email worker {order.email_state})")
+            steps.add(order.ended, f"place_order {order.outcome()}")
         for e in self.notes("inventory_answered", oid):
-            steps.append((e.ts, f"inventory answered reserved={str(e.detail.get('reserved')).lower()}"))
+            steps.add(e.ts, f"inventory answered reserved={str(e.detail.get('reserved')).lower()}")
         for e in self.notes("inventory_ignored", oid):
-            steps.append((e.ts, "inventory received the request and never answered (silent)"))
+            steps.add(e.ts, "inventory received the request and never answered (silent)")
         for e in self.notes("loyalty_ignored", oid):
-            steps.append((e.ts, "loyalty received a request and never answered (silent)"))
+            steps.add(e.ts, "loyalty received a request and never answered (silent)")
         for e in self.run.log.events("effect", "save_order"):
             if e.key == oid:
-                steps.append((e.ts, f"saved by the order service (pid {e.pid})"))
+                steps.add(e.ts, f"saved by the order service (pid {e.pid})")
         for seq in self.stream.seqs(oid):
             first_seen = self.stream.events[seq][2]
-            steps.append((first_seen, f"its event is in the stream at seq {seq} (seen by the grader)"))
+            steps.add(first_seen, f"its event is in the stream at seq {seq} (seen by the grader)")
             for ack in self.watch.of(seq):
-                what = f"by now the broker has the worker's {ack.kind} for seq {seq} (delivery {ack.delivered})"
-                steps.append((ack.ts, what))
+                steps.add(
+                    ack.ts, f"by now the broker has the worker's {ack.kind} for seq {seq} (delivery {ack.delivered})"
+                )
         for e in self.run.log.events("crash", "send_email"):
             if e.key == oid:
-                moment = "before the email went out" if e.detail.get("when") == "before" else "right after the email"
-                steps.append((e.ts, f"{self.workers.label(e.pid)} SIGKILLed {moment} (injected)"))
+                steps.add(e.ts, f"{self.label(e.pid)} SIGKILLed {WHERE[e.detail['when']]} (injected)")
         for e in _emails(self.run).get(oid, []):
-            steps.append((e.ts, f"emailed by {self.workers.label(e.pid)}"))
+            steps.add(e.ts, f"emailed by {self.label(e.pid)}")
         for e in _awards(self.run).get(oid, []):
             how = (
                 "when place_order asked it" if e.detail.get("via") == "request" else f"from event seq {e.detail['seq']}"
             )
-            steps.append((e.ts, f"loyalty awarded points {how}"))
-        return [f"{self.at(ts)} {text}" for ts, text in sorted(steps, key=lambda s: s[0])]
+            steps.add(e.ts, f"loyalty awarded points {how}")
+        return steps.lines()
 
 
-def judge(
-    run: Run, plan: Plan, stream: Stream, watch: BrokerWatch, workers: Workers, info: Any, idle: IdleEvidence
-) -> list[Check]:
-    ev = Evidence(run, plan, stream, watch, workers, info, idle)
-    crash_at = _first_crash(run)
+def judge(ev: Evidence) -> list[Check]:
+    """The lab's checks (grade.py adds the platform's faults_fired and no_unplanned_deaths)."""
+    crash_at = _first_crash(ev.run)
     return [
         _accepts_up(ev, crash_at),
         _accepts_loyalty_silent(ev),
@@ -932,7 +885,7 @@ def _accept_check(name: str, title: str, group: list[Order], ev: Evidence, situa
     placed = [o for o in refused if not o.skipped]
     if not placed:
         message = (
-            f"could not be tested: the {_plural(len(refused), 'order')} meant to be {situation} "
+            f"could not be tested: the {plural(len(refused), 'order')} meant to be {situation} "
             f"({', '.join(o.id for o in refused)}) "
             f"{refused[0].outcome().replace('was never called', 'were never placed')}."
         )
@@ -945,7 +898,7 @@ def _accept_check(name: str, title: str, group: list[Order], ev: Evidence, situa
             "nothing that merely reacts to an order may make placing it slow",
         )
     message = (
-        f"{len(refused)} of {_plural(len(group), 'order')} {situation} {'was' if len(refused) == 1 else 'were'} "
+        f"{len(refused)} of {plural(len(group), 'order')} {situation} {'was' if len(refused) == 1 else 'were'} "
         f"not accepted in time: {order.id} {order.outcome()}."
     )
     if extra:
@@ -975,10 +928,7 @@ def _accepts_email_down(ev: Evidence, crash_at: float) -> Check:
     note = ""
     if crash:
         c = crash[0]
-        note = (
-            f"{ev.workers.label(c.pid)} had been SIGKILLed at {ev.at(c.ts)} "
-            f"(injected, at its email #{c.detail['call']})."
-        )
+        note = f"{ev.label(c.pid)} had been SIGKILLed at {ev.at(c.ts)} (injected, at its email #{c.detail['call']})."
     else:
         note = "Email worker #1 never reached its planned crash; the grader stopped it."
     return _accept_check(
@@ -1170,7 +1120,7 @@ def _accepted_means_stored(ev: Evidence) -> Check:
     order = missing[0]
     elsewhere = ev.stream.elsewhere(order.id)
     message = (
-        f"{_plural(len(missing), 'accepted order')} {'has' if len(missing) == 1 else 'have'} no event on "
+        f"{plural(len(missing), 'accepted order')} {'has' if len(missing) == 1 else 'have'} no event on "
         f"{ev.stream.placed} in the stream: {', '.join(o.id for o in missing)}. Accepted means the stream holds "
         "the order's event, for email and loyalty to read whenever they can, also after a crash."
     )
@@ -1198,12 +1148,12 @@ def _refused_never_announced(ev: Evidence) -> Check:
     order = announced[0]
     reached = []
     if order.id in emails:
-        reached.append(f"emailed by {ev.workers.label(emails[order.id][0].pid)} at {ev.at(emails[order.id][0].ts)}")
+        reached.append(f"emailed by {ev.label(emails[order.id][0].pid)} at {ev.at(emails[order.id][0].ts)}")
     if order.id in awards:
         reached.append(f"given loyalty points at {ev.at(awards[order.id][0].ts)}")
     told = "never heard back" if order.kind == "hung" else "was told no"
     message = (
-        f"{_plural(len(announced), 'order')} not accepted reached a reacting service: {order.id} "
+        f"{plural(len(announced), 'order')} not accepted reached a reacting service: {order.id} "
         f"({ROLE_WORDS[order.role]}) was not accepted (place_order {order.outcome()}), yet it was "
         f"{' and '.join(reached)}. The customer {told}, and got a confirmation anyway."
     )
@@ -1240,7 +1190,7 @@ def _lost_check(ev: Evidence) -> Check:
         crash = next(e for e in ev.run.log.events("crash", "send_email") if e.key == order.id)
         message += (
             f"\nThe broker received an ack for its event (seq {seqs[0]}, delivery {acks[0].delivered}) although no "
-            f"email for it ever went out: it was acked before its email, and {ev.workers.label(crash.pid)} was "
+            f"email for it ever went out: it was acked before its email, and {ev.label(crash.pid)} was "
             "SIGKILLed in between. An acked message never comes back."
         )
         hint = "ack an event only after its email went out: then a crash before the ack means redelivery, not loss"
@@ -1258,7 +1208,7 @@ def _lost_check(ev: Evidence) -> Check:
         if not ev.watch.pulls:
             message += f" No worker ever asked the durable '{EMAIL}' for events."
             hint = f"the email worker must read the durable env.durable('{EMAIL}') the platform made for it"
-    w3 = ev.workers.children[-1]
+    w3 = ev.last_worker
     if w3.died or w3.returned:
         message += f"\nThe last email worker {w3.how_it_ended()}, so nothing emailed what was left."
         if ev.info.num_pending or ev.info.num_ack_pending:
@@ -1269,20 +1219,20 @@ def _lost_check(ev: Evidence) -> Check:
 def _duplicate_check(ev: Evidence) -> Check:
     title = "no order is emailed twice, except where a worker was killed before its ack"
     emails = _emails(ev.run)
-    extra = _email_excess(ev.run, ev.watch, ev.stream)
+    extra = _email_excess(ev.run, ev.watch, ev.stream, ev.email.ended)
     if not extra:
         return Check("no_duplicate_emails", title, True)
     oid = next(iter(extra))
     sent = emails[oid]
-    allowance = _allowance(ev.run, ev.watch, ev.stream, oid)
-    who = ", ".join(dict.fromkeys(ev.workers.label(e.pid) for e in sent))
-    counted = allowance.deliveries is None or 1 + len(allowance.kills) <= allowance.deliveries
-    why = f" ({'; '.join(allowance.kills)})" if allowance.kills and counted else ""
+    allowance = _allowance(ev.run, ev.watch, ev.stream, ev.email.ended, oid)
+    who = ", ".join(dict.fromkeys(ev.label(e.pid) for e in sent))
+    counted = allowance.deliveries is None or 1 + len(allowance.held) <= allowance.deliveries
+    why = f" ({'; '.join(_held(ev, pid) for pid in allowance.held)})" if allowance.held and counted else ""
     message = (
-        f"{_plural(len(extra), 'order')} emailed more often than the crashes explain: {oid} {len(sent)} times "
-        f"(by {who}); allowed {allowance.allowed}{why}."
+        f"{plural(len(extra), 'order')} emailed more often than the crashes explain: {oid} {len(sent)} times "
+        f"(by {who}); allowed {_allowed(allowance, ev.watch)}{why if ev.watch.pulls else ''}."
     )
-    if allowance.deliveries == 0:
+    if not ev.watch.pulls:
         message += (
             f"\nThe durable '{EMAIL}' never delivered {oid}: no worker ever asked it for events. A consumer of your "
             "own starts again from the start of the stream each time a worker restarts."
@@ -1295,10 +1245,10 @@ def _duplicate_check(ev: Evidence) -> Check:
         )
         hint = "ack every event once its email went out; an un-acked event comes back after ack_wait"
     elif allowance.deliveries < len(sent):
-        deliveries = "1 delivery" if allowance.deliveries == 1 else f"{allowance.deliveries} deliveries"
         message += (
-            f"\nThe acks the durable '{EMAIL}' received show {deliveries} of {oid}, yet it was emailed {len(sent)} "
-            "times: some deliveries were emailed more than once, or came from a consumer of your own."
+            f"\nThe acks the durable '{EMAIL}' received show {plural(allowance.deliveries, 'delivery')} of {oid}, yet "
+            f"it was emailed {len(sent)} times: some deliveries were emailed more than once, or came from a consumer"
+            " of your own."
         )
         hint = f"email each event you take from the durable env.durable('{EMAIL}') once, then ack it"
     else:
@@ -1310,29 +1260,41 @@ def _duplicate_check(ev: Evidence) -> Check:
     return Check("no_duplicate_emails", title, False, message, trace=ev.trace(oid), hint=hint)
 
 
+def _held(ev: Evidence, pid: int) -> str:
+    """Rule 6's evidence for one worker, in a phrase."""
+    how = "was SIGKILLed" if any(e.pid == pid for e in ev.run.log.events("crash")) else "ended"
+    return f"pid {pid} {how} after emailing it, before any ack of it reached the broker"
+
+
 def _acked_check(ev: Evidence) -> Check:
     title = f"every order event is acked on the durable '{EMAIL}' (nothing stuck)"
-    info = ev.info
-    if info.num_pending == 0 and info.num_ack_pending == 0:
-        return Check("all_acked", title, True)
-    message = (
-        f"the durable '{EMAIL}' still has {info.num_pending} undelivered and {info.num_ack_pending} "
-        f"delivered-but-unacked events ({info.num_redelivered} redelivered) after the run."
-    )
+    settled = {a.stream_seq for a in ev.watch.acks if a.kind in ("ack", "term")}
+    events = sorted(ev.stream.events.items())
+    stuck = [
+        oid or f"seq {seq}" for seq, (subject, oid, _) in events if subject == ev.stream.placed and seq not in settled
+    ]
+    ids = {o.id for o in ev.plan.orders}
+    trace = ev.trace(stuck[0]) if stuck and stuck[0] in ids else []
+    extra = ""
     acks = [a for a in ev.watch.acks if a.kind == "ack"]
     if not ev.watch.pulls:
-        message += " No worker ever asked it for events: it was not read at all."
+        extra = " No worker ever asked it for events: it was not read at all."
         hint = f"read from the durable env.durable('{EMAIL}') on env.stream('{STREAM}'): it exists already"
     elif not acks:
-        message += " The broker never received an ack on it: every event comes back after ack_wait, forever."
+        extra = " The broker never received an ack on it."
         hint = "ack each event once its email went out"
     else:
         hint = "ack each event once its email went out, and keep consuming until every event is acked"
-    w3 = ev.workers.children[-1]
-    if ev.watch.pulls and (w3.died or w3.returned):
-        message += f" The last email worker {w3.how_it_ended()}."
+    last = ev.last_worker
+    if ev.watch.pulls and (last.died or last.returned):
+        extra += f" The last email worker {last.how_it_ended()}."
         hint = "a worker runs until it is stopped: nothing about one event is a reason to end it"
-    return Check("all_acked", title, False, message, hint=hint)
+    check = rules.drained_check(
+        ev.info, EMAIL, ACK_WAIT, noun="event", stuck=stuck, title=title, hint=hint, trace=trace
+    )
+    if not check.passed:
+        check.message += extra
+    return check
 
 
 def _loyalty_check(ev: Evidence) -> Check:
@@ -1348,7 +1310,7 @@ def _loyalty_check(ev: Evidence) -> Check:
         order = twice[0]
         ways = Counter(str(e.detail.get("via")) for e in awards[order.id])
         message = (
-            f"{_plural(len(twice), 'accepted order')} reached loyalty more than once: {order.id} "
+            f"{plural(len(twice), 'accepted order')} reached loyalty more than once: {order.id} "
             f"{len(awards[order.id])} times ({ways['request']} by request from place_order, {ways['event']} from "
             "events on its durable)."
         )
@@ -1387,81 +1349,68 @@ def _loyalty_check(ev: Evidence) -> Check:
 
 
 def _idle_check(ev: Evidence) -> Check:
-    title = "the running email worker survives a quiet spell and emails a late order itself"
-    name = "worker_survives_idle"
-    idle, late = ev.idle, ev.plan.one("late")
-    w3 = ev.workers.children[-1]
-    label = ev.workers.label(w3.pid)
-    sent = _emails(ev.run).get(late.id, [])
-    by_w3 = [e for e in sent if e.pid == w3.pid]
-    if idle.again is not None and by_w3 and late.accepted:
-        return Check(name, title, True)
-    hint = "a worker runs until it is stopped: an empty fetch means 'nothing yet', so ask again"
-    if not idle.drained:
-        message = (
-            f"could not be tested: the durable '{EMAIL}' never emptied ({ev.info.num_pending} undelivered, "
-            f"{ev.info.num_ack_pending} unacked at the end), so {label} never had a quiet spell. Fix the other "
-            "email checks first."
-        )
-        return Check(
-            name, title, False, message, hint="every event must be emailed and acked before the worker can go idle"
-        )
-    if idle.again is None:
-        if not w3.alive and w3.killed != "grader":
-            message = f"after the durable drained at {ev.at(idle.since)}, {label} {w3.how_it_ended()}."
-        elif idle.last_pull is None:
-            message = (
-                f"{label} never asked the durable '{EMAIL}' for events: no pull request reached it in the whole run, "
-                "so the grader could not see it wait through a quiet spell."
-            )
-            hint = (
-                f"the email worker reads the durable env.durable('{EMAIL}'), "
-                "and asks again whenever a fetch comes back empty"
-            )
-        elif idle.last_pull.ts < idle.since:
-            message = (
-                f"after the durable drained at {ev.at(idle.since)}, {label} sent no pull request at all within "
-                f"{FIRST_PULL:.1f} s: it stopped asking for events."
-            )
-        else:
-            p = idle.last_pull
-            message = (
-                f"after the durable drained at {ev.at(idle.since)}, {label}'s pull at {ev.at(p.ts)} "
-                f"(wait up to {p.expires:.2f} s) was never followed by another: it did not ask again after an "
-                "empty fetch."
-            )
-            if p.expires == 0:
-                message = (
-                    f"after the durable drained at {ev.at(idle.since)}, {label}'s pull requests carried no expiry, "
-                    "so the grader could not see it wait out an empty fetch."
-                )
-                hint = "fetch with a timeout, and ask again when it expires empty"
-        return Check(name, title, False, message, trace=ev.trace(late.id), hint=hint)
-    waited, again = idle.waited or idle.again, idle.again
-    survived = (
-        f"{label} survived an empty fetch (its pull at {ev.at(waited.ts)} waited {waited.expires:.2f} s for nothing; "
-        f"it asked again at {ev.at(again.ts)})"
+    proof, late, last = ev.idle.proof, ev.idle.late, ev.last_worker
+    untested, hint_untested = _untested(ev)
+    words = rules.IdleWords(
+        title="the running email worker survives a quiet spell and emails a late order itself",
+        done="emailed",
+        hint_ended="a worker runs until it is stopped: an empty fetch means 'nothing yet', so ask again",
+        hint_no_refetch="after an empty fetch, fetch again: the loop must keep asking the durable for events",
+        hint_slow="keep fetching from the durable and email each event as it comes",
+        untested=untested,
+        hint_untested=hint_untested,
     )
+    handled_by = [e.pid for e in _emails(ev.run).get(late.id, [])]
+    check = rules.survives_idle(ev.run.at, proof, last, handled_by, ev.trace(late.id), words)
+    if check.passed or untested or not last.alive:
+        return check
+    # What the broker saw of the worker's pull requests says why no refetch was seen.
+    label = ev.label(last.pid)
+    pulls = [p for p in ev.watch.pulls if p.ts >= proof.since]
+    if proof.refetch is None and pulls and pulls[-1].expires == 0:
+        check.message += (
+            f"\n{label}'s pull requests carried no expiry, so it was never seen to wait out an empty fetch."
+        )
+        check.hint = "fetch with a timeout, and ask again when it expires empty"
+    elif proof.refetch is None and pulls:
+        p = pulls[-1]
+        check.message += (
+            f"\n{label}'s last pull request came at {ev.at(p.ts)} (waiting up to {p.expires:.2f} s) and was never"
+            " followed by another: it did not ask again after an empty fetch."
+        )
+    return check
+
+
+def _untested(ev: Evidence) -> tuple[str, str]:
+    """Why this run could not test rule 2, in the lab's words, and the hint; ('', '') if it could."""
+    proof, late = ev.idle.proof, ev.idle.late
+    label = ev.label(ev.last_worker.pid)
+    if not proof.drained:
+        return (
+            f"the durable '{EMAIL}' never emptied ({ev.info.num_pending} undelivered, {ev.info.num_ack_pending} "
+            f"unacked at the end), so {label} never had a quiet spell. Fix the other email checks first.",
+            "every event must be emailed and acked before the worker can go idle",
+        )
+    if not ev.watch.pulls:
+        return (
+            f"{label} never asked the durable '{EMAIL}' for events: no pull request reached it in the whole run, so"
+            " the grader could not see it wait through a quiet spell.",
+            f"the email worker reads the durable env.durable('{EMAIL}'), and asks again whenever a fetch comes back"
+            " empty",
+        )
+    if proof.refetch is None:
+        return "", ""
+    survived = f"{label} asked again after an empty fetch (at {ev.at(proof.refetch.ts)})"
     if late.skipped:
-        message = f"could not be tested: {survived}, but the late order {late.id} {late.outcome()}."
-        return Check(name, title, False, message, hint="fix the hung orders first")
+        return f"{survived}, but the late order {late.id} {late.outcome()}.", "fix the hung orders first"
     if late.accepted and not ev.stream.seqs(late.id):
-        message = (
-            f"could not be tested: {survived}, but the late order {late.id} has no event on {ev.stream.placed} for it "
-            "to read (see the check on accepted orders and the stream)."
+        return (
+            f"{survived}, but the late order {late.id} has no event on {ev.stream.placed} for it to read (see the"
+            " check on accepted orders and the stream).",
+            "announce every accepted order first",
         )
-        return Check(name, title, False, message, trace=ev.trace(late.id), hint="announce every accepted order first")
     if not late.accepted:
-        message = (
-            f"could not be tested: {survived}, but place_order refused the late order {late.id}: {late.outcome()}."
+        return f"{survived}, but place_order refused the late order {late.id}: {late.outcome()}.", (
+            "fix the acceptance checks first"
         )
-        return Check(name, title, False, message, trace=ev.trace(late.id), hint="fix the acceptance checks first")
-    if by_w3:
-        return Check(name, title, True)
-    if sent:
-        message = f"{survived}; then {late.id} was placed, and emailed by {ev.workers.label(sent[0].pid)}, not by it."
-    elif not w3.alive:
-        message = f"{survived}; then {late.id} was placed, and {label} {w3.how_it_ended()} without emailing it."
-    else:
-        message = f"{survived}; then {late.id} was placed, and not emailed within {LATE_DEADLINE:.0f} s."
-    return Check(name, title, False, message, trace=ev.trace(late.id), hint=hint)
+    return "", ""

@@ -3,7 +3,7 @@
 The durable 'email' is never read. Where the server lets a learner create consumers, each restarted
 worker reads the stream from the start again (emails twice); on the grader's own server it may not,
 and no email goes out at all.
-Expect: fail all_acked, worker_survives_idle
+Expect: fail all_acked, survives_idle
 Says: No worker ever asked it for events
 """
 

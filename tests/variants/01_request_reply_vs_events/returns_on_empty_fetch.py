@@ -1,6 +1,6 @@
 """Wrong variant: the worker stops when a fetch comes back empty ("nothing left to do").
 
-Expect: fail worker_survives_idle, no_unplanned_deaths
+Expect: fail survives_idle, no_unplanned_deaths
 Says: returned on its own
 Says: empty fetch means 'nothing yet'
 """
