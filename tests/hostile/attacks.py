@@ -232,6 +232,73 @@ for _target in (_os.path.join(_os.path.dirname(_msglab.__file__), "graders", "__
         every_lab=False,
     ),
     Attack(
+        "import_a_graders_reference",
+        """
+try:
+    from msglab.graders.backpressure import reference_age as _reference_age
+    _report("outcome imported a grader's reference")
+except ImportError as _exc:
+    _report(f"outcome refused {type(_exc).__name__}")
+""",
+        every_lab=False,
+    ),
+    Attack(
+        "find_credentials_or_a_writable_path",
+        """
+import ctypes as _ctypes
+_ctypes.CDLL("libc.so.6").prctl(4, 1)  # PR_SET_DUMPABLE: a process that changed uid reads itself
+for _where in ("/proc/self/environ", f"/proc/{_os.getppid()}/environ"):
+    try:
+        _block = open(_where, "rb").read().decode(errors="replace")
+    except OSError as _exc:
+        _report(f"outcome refused {_where} {type(_exc).__name__}")
+        continue
+    # the grader's own variables (pytest's, the shell's) or URLs with the grader's or admin's password
+    _found = [w for w in ("grader:", "admin:", "NATS_URL", "PYTEST_", "SHELL=") if w in _block]
+    _report(f"outcome found {_found} in {_where}" if _found else f"outcome refused {_where}: nothing found")
+_env = repr(dict(_os.environ))
+_found = [w for w in ("grader:", "admin:", "PYTEST_", "SHELL") if w in _env]
+_report(f"outcome found {_found} in os.environ" if _found else "outcome refused: nothing of the grader's")
+_writable = [p for p in _sys.path if p and _os.access(p, _os.W_OK)]
+_report(f"outcome writable {_writable}" if _writable else "outcome refused: no writable folder on sys.path")
+""",
+        own_user=True,  # as yourself, your own folders on sys.path are writable (and that is no escalation)
+        every_lab=False,
+    ),
+    Attack(
+        "reconfigure_the_platform_durable",
+        """
+import asyncio as _asyncio
+import json as _json
+
+_PLATFORM = {"01": ("ORDERS", "email"), "02": ("BILLING", "invoicer"), "03": ("PAYMENTS", "payments"),
+             "04": ("EMAILS", "email"), "05": ("ORDERS", "fulfil")}
+
+
+async def _reconfigure(env):
+    if {lab!r} not in _PLATFORM:
+        return  # a lab whose platform durable this attack does not know
+    stream, durable = env.stream(_PLATFORM[{lab!r}][0]), env.durable(_PLATFORM[{lab!r}][1])
+    try:
+        config = (await _asyncio.wait_for(env.js.consumer_info(stream, durable), 1)).config
+    except Exception as exc:
+        _report(f"outcome refused info {type(exc).__name__}")
+        return
+    config.ack_wait, config.max_deliver = 30.0, 1  # redeliver nothing: every crash's message lost for good
+    for how, subject, body in (
+        ("named", f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", {**config.as_dict()}),
+        ("unnamed", f"$JS.API.CONSUMER.CREATE.{stream}", {**config.as_dict(), "durable_name": None}),
+    ):
+        try:
+            reply = await env.nc.request(subject, _json.dumps({"stream_name": stream, "config": body}).encode(),
+                                         timeout=0.5)
+            _report(f"outcome {'refused' if b'error' in reply.data else 'reconfigured'} {how}")
+        except Exception as exc:
+            _report(f"outcome refused {how} {type(exc).__name__}")
+_hostile(_reconfigure, once=True)
+""",
+    ),
+    Attack(
         "terminal_escape_spoofing",
         """
 print("\\x1b[2J\\x1b[H\\x1b[32mlab: PASS  (10/10 checks)\\x1b[0m\\x1b]0;PASS\\x07")
