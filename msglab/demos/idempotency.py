@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import shutil
-import sqlite3
 import tempfile
 import time
 from collections import Counter
@@ -41,25 +40,18 @@ from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import rng
 from msglab.grading.sandbox import Sandbox
 from msglab.world import gateway as gw
+from msglab.world.payments import ledger_counts, open_shop
 
 STREAM = "PAYMENTS"
 SUBJECT = "payments.received"
 DURABLE = "payments"
 GATEWAY_PREFIX = "lesson03.gateway"  # where the notebook itself talks to the gateway
-KEY_WINDOW = 24 * 3600.0  # the gateway keeps idempotency keys 24 h, a common production figure
+KEY_WINDOW = gw.DEFAULT_WINDOW  # the gateway keeps idempotency keys 24 h, a common production figure
 HOLD_WAIT = 3.0  # the longest a raced worker is held waiting for the other
 LEDGER = "create table if not exists ledger (payment_id text not null, account text not null, cents integer not null)"
 
 
 # --- what runs inside the worker processes ---------------------------------------------------
-
-
-def open_shop(path: str) -> sqlite3.Connection:
-    """The shop's database as a worker opens it: WAL, and waiting on another writer's lock, not failing."""
-    db = sqlite3.connect(path, timeout=10)
-    db.execute("pragma journal_mode=wal")
-    db.execute("pragma busy_timeout=10000")
-    return db
 
 
 def _add_effects(env: Any) -> None:
@@ -321,14 +313,7 @@ class PaymentBench:
         ids = [p["payment_id"] for p in batch]
         made = [c for c in gw.GatewayView(self.gateway_db, "", KEY_WINDOW).charges() if c.reference in set(ids)]
         charges = Counter(c.reference for c in made)
-        db = open_shop(db_path)
-        try:
-            marks = ",".join("?" * len(ids))
-            rows = Counter(
-                r[0] for r in db.execute(f"select payment_id from ledger where payment_id in ({marks})", ids)
-            )
-        finally:
-            db.close()
+        rows = ledger_counts(db_path, ids)
         return Result(
             name, len(ids), deliveries, kills, charges=sum(c.ts >= since for c in made),
             double_charged=sum(charges[i] > 1 for i in ids), never_charged=sum(charges[i] == 0 for i in ids),

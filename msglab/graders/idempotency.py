@@ -55,7 +55,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from msglab.grading import rules
 from msglab.grading.nemesis import Crash, rng
@@ -64,6 +64,7 @@ from msglab.grading.scaffold import HeldSpawns, Phases, Topology, held
 from msglab.grading.verdict import Check
 from msglab.world import gateway as gw
 from msglab.world.gateway import GatewayError, IdempotencyKeyInUse, IdempotencyKeyReused  # noqa: F401 (raised in workers)
+from msglab.world.payments import ledger_counts, open_shop
 
 if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
     from msglab.grading.harness import Child, Run
@@ -72,8 +73,8 @@ if TYPE_CHECKING:  # the learner's processes import this module too: they need n
 ACK_WAIT = 1.1  # seconds; production uses 30 s. Over 1 s, so a redelivery's key made from the clock differs
 TOPOLOGY = Topology("PAYMENTS", "payments.>", "payments", "payments.received", ACK_WAIT, {"max_ack_pending": 100})
 STREAM, DURABLE, SUBJECT = TOPOLOGY.stream, TOPOLOGY.durable, TOPOLOGY.subject
-KEY_WINDOW = 24 * 3600.0  # the gateway keeps keys 24 h, a common production figure
-SEARCH_LAG = 60.0  # a charge shows up in the gateway's search a minute after it was made
+KEY_WINDOW = gw.DEFAULT_WINDOW  # the gateway keeps keys 24 h, a common production figure
+SEARCH_LAG = gw.DEFAULT_SEARCH_LAG  # a charge shows up in the gateway's search a minute after it was made
 CLOCK_JUMP = 25 * 3600.0  # how far the gateway's test clock moves: past the key window
 PAYMENTS = 10
 ACCOUNTS = 3
@@ -247,12 +248,10 @@ class _ShopDb(sqlite3.Connection):
 
 
 def open_shop_db(path: str, world: Any) -> sqlite3.Connection:
-    """The shop's database as a worker sees it: WAL and a busy timeout, so two workers wait, not fail."""
-    db = sqlite3.connect(path, timeout=10, factory=_ShopDb)
+    """The shop's database as a worker sees it (msglab.world.payments.open_shop), its calls reported to the grader."""
+    db = cast(_ShopDb, open_shop(path, factory=_ShopDb))
     db.world = world
     db._reset()
-    db.execute("pragma journal_mode=wal")
-    db.execute("pragma busy_timeout=10000")
     return db
 
 
@@ -294,9 +293,7 @@ async def playground(env: Any) -> None:
         search_lag=SEARCH_LAG,
     )  # fmt: skip
     env.gateway = gateway
-    env.db = sqlite3.connect(os.path.join(folder, "shop.sqlite"), timeout=10)
-    env.db.execute("pragma journal_mode=wal")
-    env.db.execute("pragma busy_timeout=10000")
+    env.db = open_shop(os.path.join(folder, "shop.sqlite"))
     env.IdempotencyKeyReused = IdempotencyKeyReused
 
     async def charge(payment: dict[str, Any], idempotency_key: Any = None) -> dict[str, Any]:
@@ -724,11 +721,7 @@ class _Evidence:
         ledger: Counter[str] = Counter()
         ledger_error = ""
         try:
-            db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)
-            try:
-                ledger = Counter(str(r[0]) for r in db.execute("select payment_id from ledger"))
-            finally:
-                db.close()
+            ledger = ledger_counts(db_path)
         except sqlite3.Error as exc:
             ledger_error = f"{type(exc).__name__}: {exc}"
         steps: dict[str, list[tuple[float, str]]] = {pid: list(s) for pid, s in lab.steps.items()}
