@@ -13,16 +13,10 @@ from typing import Any
 
 import pytest
 
-from msglab.graders.backpressure import (
-    BUDGET,
-    Handled,
-    Plan,
-    Sample,
-    Truth,
-    expected_status,
-    status_cases,
-)
+from msglab.graders.backpressure import BUDGET, Plan, Truth, status_cases
 from msglab.grading.grade import grade
+from msglab.world.fulfilment import Handled, Sample
+from msglab.world.fulfilment import status as expected_status
 
 VARIANTS = Path(__file__).parent / "variants" / "05_backpressure"
 ALL = {
@@ -70,6 +64,24 @@ def test_plan_replays_from_its_seed() -> None:
         assert plan == Plan.draw(seed)
         assert 200 <= plan.burst <= 300 and 4 <= plan.kill_at <= 9 and 2 <= plan.refused <= 4
     assert len({Plan.draw(seed) for seed in range(1, 40)}) > 10
+
+
+def test_the_kill_after_an_acceptance_is_worded_for_rule_1() -> None:
+    crashes = {Plan(250, k, 3, (0.5,)).crash() for k in (4, 1, 2, 3, 11, 22)}
+    assert {(c.effect, c.when, c.counted) for c in crashes} == {("accepted", "after", "ACCEPTED answer")}
+    points = sorted(c.point.split("the ")[1] for c in crashes)
+    assert points == ["11th time", "1st time", "22nd time", "2nd time", "3rd time", "4th time"]
+    assert all("under the budget" in c.hint for c in crashes)
+
+
+def test_the_lesson_and_the_grader_share_one_fulfilment_model() -> None:
+    from msglab.demos import backpressure as demo
+    from msglab.graders import backpressure as grader
+    from msglab.world import fulfilment
+
+    assert demo.status is grader.expected_status is fulfilment.status
+    assert demo.depth_and_age is grader.depth_and_age is fulfilment.depth_and_age
+    assert grader.Fulfilment is fulfilment.Fulfilment
 
 
 def test_the_status_windows_agree_with_the_rule() -> None:

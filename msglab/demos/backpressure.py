@@ -6,10 +6,11 @@ queue's depth and age sampled side by side on a live chart.
     run = await shop.overload(rate=150, seconds=3) # a producer faster than its consumer, charted live
     run.depth[-1], run.age[-1]
 
-The workers are `python -m msglab.demos.backpressure` processes: each runs `concurrency` pull
-loops on one durable, spends `work` seconds on an order (inside at most `slots` concurrent calls
-to a warehouse API, when set), and hangs for good on an order whose id is in `hang`. The lesson
-SIGKILLs them for real. Depth and age are measured as the lesson shows: depth is
+The workers are `python -m msglab.demos.backpressure` processes, each running the shop's
+fulfilment pool (msglab.world.fulfilment, the same the lab's grader runs): `concurrency` workers
+on one durable, `work` seconds an order (inside at most `slots` concurrent calls to a warehouse
+API, when set), stuck for good on an order whose id is in `hang`. The lesson SIGKILLs them for
+real. Depth and age are measured, and the status judged, by that module too: depth is
 num_pending + num_ack_pending; age is now minus the stored time of the first message after the
 durable's ack floor, on the durable's own subject.
 """
@@ -27,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from msglab.world.fulfilment import depth_and_age, status
+
 STREAM = "LESSON05_ORDERS"  # the shop's orders: lesson05.orders.placed, lesson05.import.*, lesson05.pin
 INTAKE = "LESSON05_INTAKE"  # the bounded intake of section 3 (work-queue retention, discard-new)
 BOUNDED = "LESSON05_BOUNDED"  # discard_policies' streams, BOUNDED_0 ... BOUNDED_2, each removed after use
@@ -36,32 +39,6 @@ DURABLE = "fulfil"
 ACK_WAIT = 0.5  # seconds; production uses 30 s or more, a lesson cannot wait that long
 ADMISSION_EVERY = 0.02  # seconds: how often the admission check of `overload` measures the age
 STREAM_FULL = 10077  # the err_code of a publish refused by a full stream with discard-new
-
-
-# --- measuring ------------------------------------------------------------------------------------
-
-
-async def depth_and_age(js: Any, stream: str, durable: str, subject: str) -> tuple[int, float]:
-    """(queue depth, queue age in seconds) of one durable, as the lesson measures them."""
-    from nats.js.errors import NotFoundError
-
-    info = await js.consumer_info(stream, durable)
-    depth = info.num_pending + info.num_ack_pending
-    try:
-        oldest = await js.get_msg(stream, info.ack_floor.stream_seq + 1, subject=subject, next=True)
-    except NotFoundError:
-        return depth, 0.0
-    return depth, max(0.0, time.time() - oldest.time.timestamp())
-
-
-def status(window: Sequence[tuple[float, float]], budget: float) -> str:
-    """OK / WARNING / ERROR from (time, age) samples, oldest first: the level, then the trend."""
-    (t0, age0), (t1, age1) = window[0], window[-1]
-    if age1 >= budget:
-        return "ERROR"  # the promise is broken now
-    if t1 > t0 and age1 - age0 >= 0.5 * (t1 - t0):
-        return "WARNING"  # the oldest order ages at least half as fast as the clock
-    return "OK"
 
 
 @dataclass
@@ -161,7 +138,7 @@ class LiveChart:
 
 
 class Workers:
-    """One worker process on a durable: `concurrency` pull loops, each order taking `work` seconds."""
+    """One worker process on a durable: `concurrency` workers, each order taking `work` seconds."""
 
     def __init__(self, proc: Any, config: dict[str, Any]) -> None:
         self.proc = proc
@@ -173,12 +150,12 @@ class Workers:
 
     @classmethod
     async def start(cls, durable: str, *, concurrency: int = 1, work: float = 0.0, slots: int = 0,
-                    hang: Sequence[str] = (), batch: int = 1, stream: str = STREAM) -> Workers:  # fmt: skip
+                    hang: Sequence[str] = (), stream: str = STREAM) -> Workers:  # fmt: skip
         from msglab.broker import server_url
         from msglab.broker.server import die_with_parent
 
         config = {"url": server_url(), "stream": stream, "durable": durable, "concurrency": concurrency,
-                  "work": work, "slots": slots, "hang": list(hang), "ack_wait": ACK_WAIT, "batch": batch}  # fmt: skip
+                  "work": work, "slots": slots, "hang": list(hang), "ack_wait": ACK_WAIT}  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "msglab.demos.backpressure", json.dumps(config),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True,
@@ -192,7 +169,8 @@ class Workers:
         return cls(proc, config)
 
     async def set(self, **changes: Any) -> None:
-        """Change concurrency, work or hang while it runs; returns once the process has taken it."""
+        """Change concurrency or work while it runs; returns once the workers it stopped have finished the
+        orders in their hands."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.config.update(changes)
         self.proc.stdin.write((json.dumps(changes) + "\n").encode())
@@ -210,69 +188,27 @@ class Workers:
 
 
 async def _worker_main(config: dict[str, Any]) -> None:
-    """The worker process: pull loops on the durable; a command on stdin changes them, answered with "ok"
-    once every loop it stopped has finished the order in its hands."""
+    """The worker process: the shop's fulfilment pool on the durable; a command on stdin changes it,
+    answered with "ok" once the workers it stopped have finished the orders in their hands."""
     import nats
 
+    from msglab.world.fulfilment import Fulfilment
+
     nc = await nats.connect(config["url"], name="lesson05-worker")
-    js = nc.jetstream()
-    slots = asyncio.Semaphore(config["slots"]) if config["slots"] else None
-    state: dict[str, Any] = {"concurrency": config["concurrency"], "work": config["work"],
-                             "hang": set(config["hang"]), "changed": asyncio.Event()}  # fmt: skip
-    loops = 16
-    parked = [False] * loops
-
-    async def handle(msg: Any) -> None:
-        try:
-            oid = json.loads(msg.data).get("id")
-        except ValueError:
-            oid = None
-        while oid in state["hang"]:  # stuck on this order: retrying a call that never succeeds,
-            await msg.in_progress()  # and telling the broker "still on it", so it is never redelivered
-            await asyncio.sleep(config["ack_wait"] / 3)
-        if slots is not None:
-            async with slots:  # the warehouse API takes this many calls at once
-                await asyncio.sleep(state["work"])
-        elif state["work"]:
-            await asyncio.sleep(state["work"])
-        await msg.ack_sync()
-
-    async def loop(i: int, sub: Any) -> None:
-        while True:
-            if i >= state["concurrency"]:
-                parked[i] = True
-                await state["changed"].wait()
-                parked[i] = False
-                continue
-            try:
-                msgs = await sub.fetch(config["batch"], timeout=0.2)
-            except TimeoutError:
-                continue
-            for msg in msgs:
-                await handle(msg)
-
-    async def commands() -> None:
-        reader = asyncio.StreamReader()
-        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        while line := await reader.readline():
-            update = json.loads(line)
-            if "hang" in update:
-                update["hang"] = set(update["hang"])
-            changed = state["changed"]
-            state.update(update, changed=asyncio.Event())
-            changed.set()
-            for _ in range(200):  # at most 2 s: a stopped loop finishes the fetch and the order it has
-                if all(parked[i] for i in range(state["concurrency"], loops)):
-                    break
-                await asyncio.sleep(0.01)
-            print("ok", flush=True)
-
-    subs = [await js.pull_subscribe_bind(config["durable"], config["stream"]) for _ in range(loops)]
-    tasks = [asyncio.ensure_future(loop(i, sub)) for i, sub in enumerate(subs)]
+    # A stuck worker tells the broker it is still on its order three times an ack_wait: never redelivered.
+    pool = Fulfilment(nc.jetstream(), config["stream"], config["durable"], slots=config["slots"],
+                      progress=config["ack_wait"] / 3)  # fmt: skip
+    pool.stuck.update(config["hang"])
+    await pool.start(config["concurrency"], config["work"])
     print("ready", flush=True)
-    await commands()  # stdin closes when the lesson goes away
-    for task in tasks:
-        task.cancel()
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := await reader.readline():  # stdin closes when the lesson goes away
+        update = json.loads(line)
+        pool.scale(update.get("concurrency", pool.active), update.get("work"))
+        await pool.settle(2.0)
+        print("ok", flush=True)
+    await pool.close()
 
 
 # --- the shop ------------------------------------------------------------------------------------
@@ -473,7 +409,7 @@ class Shop:
         for name in ("fast", "slow"):
             await self.durable(name, f"lesson05.import.{name}", ack_wait=30)
         pools = [  # idle until both imports are stored
-            await Workers.start("fast", concurrency=0, batch=25),
+            await Workers.start("fast", concurrency=0),
             await Workers.start("slow", concurrency=0, work=slow_work),
         ]
         self.others += pools
