@@ -147,3 +147,28 @@ def test_a_commented_starter_and_a_handler_that_blocks_forever_score_nothing(
     assert (blocked_result.status, blocked_result.score) == ("graded", 0.0), blocked_result
     assert "faults_fired" in blocked_result.failed and "work did not happen" in blocked_result.note
     assert "work did not happen" in (tmp_path / "out" / "feedback" / "blocked.txt").read_text()
+
+
+def test_a_starter_rewritten_without_changing_what_it_does_scores_as_the_starter_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_nats_url: None
+) -> None:
+    from msglab.classroom.gradebook import grade_class
+
+    payments = find_lab("03")  # its starter fails the same checks on every run of a seed
+    renamed = payments.source().read_text().replace("msgs", "batch")  # another syntax tree, the same behaviour
+    assert "batch" in renamed and not same_code(renamed.encode(), payments.source().read_bytes())
+    (tmp_path / "class" / "renamer").mkdir(parents=True)
+    (tmp_path / "class" / "renamer" / payments.file).write_text(renamed)
+    (tmp_path / "class" / "solver").mkdir(parents=True)
+    (tmp_path / "class" / "solver" / payments.file).write_bytes(payments.source(solution=True).read_bytes())
+    plain = grade_class(tmp_path / "class", labs=[payments], out=tmp_path / "plain", jobs=2, progress=False)
+    by_code = {row.learner: row.result for row in plain.rows}
+    assert by_code["renamer"] is not None and by_code["renamer"].status == "graded"
+    assert by_code["renamer"].score, "the starter's own passed checks earn, when only its code is compared"
+    asked = grade_class(tmp_path / "class", labs=[payments], out=tmp_path / "asked", jobs=2, progress=False,
+                        salt=plain.salt, starter_behaviour=True)  # fmt: skip
+    by_behaviour = {row.learner: row.result for row in asked.rows}
+    renamer, solver = by_behaviour["renamer"], by_behaviour["solver"]
+    assert renamer is not None and (renamer.status, renamer.score) == ("starter", 0.0), renamer
+    assert "behaves as the starter on seed" in renamer.note
+    assert solver is not None and solver.passed and solver.status == "graded", "a passing file is never compared"

@@ -48,6 +48,7 @@ def _grade(args: argparse.Namespace) -> int:
         learners=[name.strip() for name in args.learners.split(",")] if args.learners else None,
         progress=not args.no_progress,
         assignment=args.assignment or "",
+        starter_behaviour=args.starter_by_behaviour,
     )
     print(summary_text(result))
     if result.errors:
@@ -157,6 +158,9 @@ def register(subparsers: Any) -> None:
                        "new random one): learners cannot replay their graded faults")  # fmt: skip
     grade.add_argument("--learners", help="grade only these learners (comma-separated ids)")
     grade.add_argument("--no-progress", action="store_true", help="no progress bar")
+    grade.add_argument("--starter-by-behaviour", action="store_true",
+                       help="a failing file that fails the starter's checks on its seed scores as the starter "
+                       "(grades the starter once more per such file)")  # fmt: skip
     grade.add_argument("--assignment", help="GitHub Classroom: the repositories' name prefix (default: found)")
     grade.set_defaults(func=_grade)
 
