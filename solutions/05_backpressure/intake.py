@@ -11,7 +11,7 @@ What the grader (or the lab notebook) hands you in `env`:
   env.stream("ORDERS")            the stream: it stores "orders.>", so also "orders.cancelled"
   env.durable("fulfil")           the fulfilment workers' durable; it delivers "orders.placed" only
   env.subject("orders.placed")    where an accepted order goes, as JSON with its "id"
-  env.age_budget                  seconds: the longest an order may wait for a worker (the promise)
+  env.age_budget                  seconds: the longest an order may wait until a worker has acked it (the promise)
   env.trend_window                seconds of samples queue_status is given (the monitor keeps them)
 
 Check your work:  msglab check 05   (or the last cell of lab.ipynb)
