@@ -114,7 +114,7 @@ class Submissions:
         files = ", ".join(sorted({lab.file for lab in labs}))
         raise SubmissionsError(
             f"{self.source}: layout not understood: no lab file ({files}) found for any of "
-            f"{len(self.learners)} learner(s) ({names or 'none'}); nothing was graded",
+            f"{len(self.learners)} learner(s) ({names or 'none'}); nothing was graded (or nobody handed these labs in)",
             hint="give a folder (or zip) with one folder per learner, Gradescope's export, or GitHub Classroom's "
             "repositories (see `msglab grade --help`)",
         )
