@@ -57,7 +57,11 @@ def test_every_planned_fault_happens_in_a_solution_run(no_nats_url: None, monkey
     first = lab.workers[0]
     refused = [p for p in lab.publishes if p.name == "dlq_refused" and p.pid == first.pid]
     assert len(refused) == 1  # the DLQ stream refused worker #1's first dead letter, and only that one
+    assert lab.refused in lab.run.planned and lab.refused.fired  # rule 1 holds the run to the refusal
     assert lab.workers[0].fired and lab.redrivers[0].fired  # both kills
+    # Rule 2: the worker asked again after an empty fetch, then sent the late email itself.
+    assert lab.refetch is not None and lab.sent_by(ev.plan.late.order) == [lab.workers[1].pid]
+    assert ev.plan.late.order not in {m.email.order for m in lab.msgs.values()}  # no other check judges it
     assert any(p.name == "dlq_published" and p.detail.get("duplicate") for p in lab.publishes)  # the copy, dropped
     dead = {e.order for e in ev.plan.emails if e.kind in grader.DEAD}
     assert sorted(entry.msg.email.order for entry in ev.dlq if not entry.msg.copy_run) == sorted(dead)

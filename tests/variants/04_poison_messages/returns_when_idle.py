@@ -1,6 +1,7 @@
-"""Returns when a fetch finds nothing: the worker is gone when the redriven emails arrive.
+"""Returns when a fetch finds nothing: the worker is gone when a later email (and the redriven ones) arrive.
 
-Expect: fail no_unplanned_deaths
+Expect: fail no_unplanned_deaths, survives_idle
+Says: returned on its own
 """
 
 import json
