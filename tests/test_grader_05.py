@@ -143,3 +143,51 @@ def test_playground_lets_a_learner_stall_the_workers_by_hand(no_nats_url: None) 
             await msglab.playground_close(env)
 
     assert asyncio.run(by_hand(solution=True)) == ["accepted"] * 3 + ["busy", "accepted"]
+
+
+def test_the_learner_may_publish_orders_and_read_the_queue_and_nothing_more(no_nats_url: None, tmp_path: Path) -> None:
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from msglab.broker.server import EmbeddedServer
+    from msglab.broker.users import LEARNER_INBOX, RunUsers
+    from msglab.graders import backpressure
+    from msglab.grading.labkit import Names
+
+    async def attempt(coro: Any) -> str:
+        try:
+            await asyncio.wait_for(coro, 1.5)
+        except Exception as exc:  # a permission violation shows as no answer (a timeout) or an API error
+            return f"refused ({type(exc).__name__})"
+        return "ok"
+
+    async def operations(grader_url: str, learner_url: str) -> dict[str, str]:
+        grader = await nats.connect(grader_url)
+        await backpressure.TOPOLOGY.provision(grader.jetstream(), Names())
+        learner = await nats.connect(learner_url, inbox_prefix=LEARNER_INBOX, allow_reconnect=False)
+        js = learner.jetstream()
+        order = json.dumps({"id": "o-1"}).encode()
+        fulfil = ConsumerConfig(durable_name="fulfil", filter_subject="orders.>", ack_policy=AckPolicy.NONE)
+        out = {
+            "publish an order": await attempt(js.publish("orders.placed", order)),
+            "consumer info": await attempt(js.consumer_info("ORDERS", "fulfil")),
+            "the first order after the ack floor": await attempt(
+                js.get_msg("ORDERS", 1, subject="orders.placed", next=True)
+            ),
+            "stream info": await attempt(js.stream_info("ORDERS")),
+            "publish a cancellation": await attempt(js.publish("orders.cancelled", b"{}")),
+            "publish elsewhere": await attempt(js.publish("shipping.done", b"{}")),
+            "update the durable": await attempt(js.add_consumer("ORDERS", fulfil)),
+            "purge the stream": await attempt(js.purge_stream("ORDERS")),
+        }
+        await learner.close()
+        await grader.close()
+        return out
+
+    users = RunUsers(grader=backpressure)
+    config = tmp_path / "server.conf"
+    config.write_text(users.config())
+    with EmbeddedServer(config=str(config)) as server:
+        out = asyncio.run(operations(users.grader_url(server.url), users.learner_url(server.url)))
+    allowed = {"publish an order", "consumer info", "the first order after the ack floor", "stream info"}
+    assert {k for k, v in out.items() if v == "ok"} == allowed, out
