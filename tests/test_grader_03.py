@@ -212,3 +212,51 @@ def test_playground_lets_a_learner_see_a_redelivery_and_a_day_later_by_hand(no_n
 
     assert asyncio.run(by_hand(solution=False)) == (2, 2, 3, 3)
     assert asyncio.run(by_hand(solution=True)) == (1, 1, 1, 1)
+
+
+def test_the_learner_may_use_the_labs_subjects_and_durable_and_nothing_else(tmp_path: Path) -> None:
+    import nats
+
+    from msglab.broker.server import EmbeddedServer
+    from msglab.broker.users import LEARNER_INBOX, RunUsers
+    from msglab.grading.labkit import Names
+
+    users = RunUsers(grader=idempotency)  # the permissions a grading run of lab 03 gives the learner
+    config = tmp_path / "server.conf"
+    config.write_text(users.config())
+
+    async def attempts(grader_url: str, learner_url: str) -> tuple[list[str], list[str]]:
+        grader = await nats.connect(grader_url)
+        await idempotency.TOPOLOGY.provision(grader.jetstream(), Names())
+        refused: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            refused.append(str(exc))
+
+        learner = await nats.connect(learner_url, inbox_prefix=LEARNER_INBOX, error_cb=on_error)
+        js = learner.jetstream()
+        done: list[str] = []
+        ack = await js.publish("payments.received", b'{"payment_id": "p-01"}')  # the lab's own subject
+        sub = await js.pull_subscribe_bind(idempotency.DURABLE, idempotency.STREAM)
+        [msg] = await sub.fetch(1, timeout=2)
+        await msg.ack_sync()
+        done.append(f"fetched and acked seq {ack.seq}")
+        await learner.subscribe("orders.>")  # another lab's subjects, and everything
+        await learner.subscribe(">")
+        await learner.publish("orders.placed", b"x")
+        await learner.publish("gateway.test_clock", b'{"seconds": 1e6}')  # the course's gateway
+        await learner.flush()
+        for _ in range(200):  # the server's refusals arrive as asynchronous errors: wait for all four
+            if len(refused) >= 4:
+                break
+            await learner.flush()
+        await learner.close()
+        await grader.close()
+        return done, refused
+
+    with EmbeddedServer(config=str(config)) as server:
+        done, refused = asyncio.run(attempts(users.grader_url(server.url), users.learner_url(server.url)))
+    assert done == ["fetched and acked seq 1"]
+    said = "\n".join(refused).lower()
+    for subject in ("orders.>", '">"', "orders.placed", "gateway.test_clock"):
+        assert subject in said, refused

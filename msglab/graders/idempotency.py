@@ -84,8 +84,11 @@ RACE_WAIT = 3.0  # the longest the first raced worker is held waiting for the se
 SETTLE_WAIT = 5.0  # the longest the grader waits for a phase's messages to be handled
 IDLE_MIN, IDLE_CAP = 1.0, 8.0  # bounds on how long the grader waits to see a worker fetch again
 STUCK_NAKS = 3  # a message nak'ed this many times is judged stuck: it will not settle by waiting
-# Learners reach the gateway only through env.charge and env.find_charges (effects the grader answers):
-# its subjects, test clock included, are the course's.
+# The learner's permissions (msglab.broker.users): besides fetching from and acking on the durable, a
+# worker needs no subject; it may use the lab's own (payments.>) and nothing else. It reaches the gateway
+# only through env.charge and env.find_charges (effects the grader answers): the gateway's subjects, test
+# clock included, are the course's.
+LEARNER_SUBJECTS = ["payments.>"]
 LEARNER_DENY_PUBLISH = ["gateway.>"]
 
 _CHARGED = "charge every payment it takes through env.charge, one call per payment, while the process keeps running"
