@@ -2,7 +2,9 @@
 
     Responder    a request-reply service on one subject that is up (answers), down (not
                  subscribed: the server tells a caller "no responders" at once) or silent
-                 (subscribed but never answers: the caller waits for its timeout)
+                 (subscribed but never answers: the caller waits for its timeout); the course's
+                 one model of it, msglab.world.storefront's, which the lab's inventory and
+                 loyalty are made of too
     Chain        three services calling each other with request-reply, orders -> inventory ->
                  payments; each fails each call it receives with a seeded random draw, so
                  thousands of calls over several seeds measure the chain's availability and its
@@ -42,8 +44,10 @@ from typing import Any
 
 from msglab.broker import connect, delete_stream, settle_subscriptions
 from msglab.broker.server import EmbeddedServer, die_with_parent
+from msglab.world.storefront import INVENTORY
+from msglab.world.storefront import STATES as STATES  # the lesson reaches the storefront's through this module
+from msglab.world.storefront import Responder as Responder
 
-STATES = ("up", "down", "silent")
 CHAIN = ("orders", "inventory", "payments")
 
 
@@ -52,79 +56,6 @@ def _why(exc: BaseException) -> str:
     import nats.errors
 
     return "no responders" if isinstance(exc, nats.errors.NoRespondersError) else "timed out"
-
-
-class Responder:
-    """A request-reply service on one subject that can be taken up, down, or made silent.
-
-    `answer` is the reply (bytes), or a function from the request's data to the reply.
-    `received` counts requests that reached the service, `answered` the ones it replied to.
-    """
-
-    def __init__(self, nc: Any, subject: str, answer: bytes | Callable[[bytes], bytes]) -> None:
-        self.nc = nc
-        self.subject = subject
-        self.answer = answer
-        self.state = "down"
-        self.received = 0
-        self.answered = 0
-        self._sub: Any = None
-
-    @classmethod
-    async def start(
-        cls,
-        subject: str,
-        answer: bytes | Callable[[bytes], bytes] = b"ok",
-        *,
-        state: str = "up",
-        url: str | None = None,
-    ) -> Responder:
-        """Connect and start answering on `subject` (or start down or silent)."""
-        nc = await connect(url, name=f"msglab-responder-{subject}")
-        responder = cls(nc, subject, answer)
-        await responder.set_state(state)
-        return responder
-
-    async def set_state(self, state: str) -> None:
-        """Go 'up', 'down' or 'silent'; returns once the server knows, so the next request sees it."""
-        if state not in STATES:
-            raise ValueError(f"state must be one of {STATES}, not {state!r}")
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
-        if state != "down":
-            self._sub = await self.nc.subscribe(self.subject, cb=self._on_request)
-        self.state = state
-        await settle_subscriptions(self.nc)  # the next request, from any connection, sees the new state
-
-    async def up(self) -> None:
-        """Answer requests."""
-        await self.set_state("up")
-
-    async def down(self) -> None:
-        """Stop listening: requests fail at once with NoRespondersError."""
-        await self.set_state("down")
-
-    async def silent(self) -> None:
-        """Listen but never answer: requests fail with TimeoutError after their timeout."""
-        await self.set_state("silent")
-
-    async def _on_request(self, msg: Any) -> None:
-        self.received += 1
-        if self.state != "up":
-            return  # silent: the request arrived and is dropped on the floor
-        await msg.respond(self.answer(msg.data) if callable(self.answer) else self.answer)
-        self.answered += 1
-
-    async def close(self) -> None:
-        """Stop and close the service's connection; the next request sees nobody listening."""
-        if not self.nc.is_closed:
-            await self.set_state("down")
-            await self.nc.close()
-        self.state = "down"
-
-    def __repr__(self) -> str:
-        return f"<Responder {self.subject} {self.state}: {self.received} received, {self.answered} answered>"
 
 
 @dataclass
@@ -476,7 +407,7 @@ class OrderDesk:
         await delete_stream(js, stream)  # left over from an aborted run
         await js.add_stream(name=stream, subjects=[f"{prefix}.placed"])
         await js.add_consumer(stream, ConsumerConfig(durable_name=desk.durable, ack_wait=0.5))
-        desk.services["inventory"] = await Responder.start(f"{prefix}.inventory.check", b'{"available": 7}', url=url)
+        desk.services["inventory"] = await Responder.start(f"{prefix}.{INVENTORY}", b'{"reserved": true}', url=url)
         desk.services["email"] = await Responder.start(f"{prefix}.email.send", b"sent", url=url)
         desk.worker = EmailWorker(stream, desk.durable, url=url)
         await desk.worker.up()

@@ -35,8 +35,6 @@ that emailed it ended before the broker had its ack); the durable 'email' ends d
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import time
 from collections import Counter
@@ -44,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from msglab.broker import settle_subscriptions
 from msglab.grading import rules
 from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
@@ -52,13 +49,12 @@ from msglab.grading.observe import BrokerWatch, refuse_publishes
 from msglab.grading.rules import plural
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, held
 from msglab.grading.verdict import Check
+from msglab.world.storefront import Storefront, order_id
 
 if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
     from msglab.grading.harness import Child, Reply, Run
 
 SUBJECT = "orders.placed"
-INVENTORY = "inventory.reserve"
-LOYALTY_ASK = "loyalty.award"
 ACK_WAIT = 0.5  # seconds; production uses 30 s or more, a lab cannot wait that long
 # The platform team's part: one stream, and a durable on orders.placed for each reacting service.
 EMAIL_TOPOLOGY = Topology("ORDERS", "orders.>", "email", SUBJECT, ACK_WAIT)
@@ -159,100 +155,19 @@ async def _provision(js: Any, names: Any) -> None:
         await topology.provision(js, names)
 
 
-def _order_id(data: bytes) -> str | None:
-    """The order id an event or request carries: the order as JSON, {"id": ...}."""
-    try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if isinstance(body, dict):
-        if isinstance(body.get("id"), str):
-            return str(body["id"])
-        inner = body.get("order")
-        if isinstance(inner, dict) and isinstance(inner.get("id"), str):
-            return str(inner["id"])
-    return None
-
-
-def _sku(data: bytes) -> str | None:
-    try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(body, dict):
-        return None
-    inner = body["order"] if isinstance(body.get("order"), dict) else body
-    return str(inner["sku"]) if "sku" in inner else None
-
-
-class PlaygroundShop:
-    """The notebook's inventory and loyalty, each 'up', 'down' or 'silent'; `awarded` lists loyalty's points."""
-
-    def __init__(self, env: Any) -> None:
-        self.env = env
-        self.states = {"inventory": "up", "loyalty": "up"}
-        self.no_stock = {"sku-0"}  # ask for sku-0 to see an out-of-stock answer
-        self.awarded: list[tuple[str, str]] = []  # (order id, "request" or "event")
-        self._subs: dict[str, Any] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        for service in self.states:
-            await self.set(service, "up")
-        self._task = asyncio.ensure_future(self._consume())
-
-    async def set(self, service: str, state: str) -> None:
-        """Take 'inventory' or 'loyalty' 'up', 'down' (nobody listens) or 'silent' (listens, never answers)."""
-        if service not in self.states or state not in ("up", "down", "silent"):
-            raise ValueError("set_service(service, state): service 'inventory' or 'loyalty', state up, down or silent")
-        old = self._subs.pop(service, None)
-        if old is not None:
-            await old.unsubscribe()
-        if state != "down":
-            subject = self.env.subject(INVENTORY if service == "inventory" else LOYALTY_ASK)
-            handler = self._inventory if service == "inventory" else self._loyalty
-            self._subs[service] = await self.env.nc.subscribe(subject, cb=handler)
-        self.states[service] = state
-        await settle_subscriptions(self.env.nc)
-
-    async def _inventory(self, msg: Any) -> None:
-        if self.states["inventory"] != "up" or not msg.reply:
-            return
-        sku = _sku(msg.data)
-        await msg.respond(json.dumps({"reserved": sku not in self.no_stock}).encode())
-
-    async def _loyalty(self, msg: Any) -> None:
-        if self.states["loyalty"] != "up":
-            return
-        oid = _order_id(msg.data) or "?"
-        self.awarded.append((oid, "request"))
-        print(f"loyalty: points awarded for {oid} (asked by request)")
-        if msg.reply:
-            await msg.respond(b'{"ok": true}')
-
-    async def _consume(self) -> None:
-        # The loyalty service's own durable: it reads every order event, at its own pace.
-        try:
-            sub = await self.env.js.pull_subscribe_bind(self.env.durable(LOYALTY), self.env.stream(STREAM))
-            while True:
-                if self.states["loyalty"] != "up":
-                    await asyncio.sleep(0.2)
-                    continue
-                try:
-                    msgs = await sub.fetch(20, timeout=0.5)
-                except TimeoutError:
-                    continue
-                for msg in msgs:
-                    self.awarded.append((_order_id(msg.data) or "?", "event"))
-                    await msg.ack()
-        except Exception:  # the playground was closed: the connection is gone
-            return
-
-
 async def playground(env: Any) -> None:
-    """For the lab notebook: the stream and durables, inventory and loyalty, and effects that print."""
+    """For the lab notebook: the stream and durables, inventory and loyalty, and effects that print.
+
+    The inventory has no stock for sku-0; `env.set_service(name, state)` takes a service up, down
+    or silent; `env.shop.awarded` lists loyalty's points so far.
+    """
     await _provision(env.js, env.names)
-    shop = PlaygroundShop(env)
+
+    def record(kind: str, name: str, oid: str | None, **detail: Any) -> None:
+        if name == "award_points" and detail.get("via") == "request":
+            print(f"loyalty: points awarded for {oid} (asked by request)")
+
+    shop = Storefront(env.nc, env.js, env.names, record, stream=STREAM, durable=LOYALTY, no_stock={"sku-0"})
     await shop.start()
     env.shop = shop
     env.set_service = shop.set
@@ -387,89 +302,19 @@ def _crash(call: int, when: str) -> Crash:
 # --- the course's services, played by the grader -------------------------------------------------
 
 
-class Shop:
-    """Inventory and loyalty as the grader runs them; every request they see is recorded."""
+def _storefront(run: Run, plan: Plan) -> Storefront:
+    """The course's inventory and loyalty, with this run's silent and out-of-stock orders; evidence in the log."""
 
-    def __init__(self, run: Run, plan: Plan) -> None:
-        self.run = run
-        self.by_sku = {o.sku: o.id for o in plan.orders}
-        self.no_stock = {o.sku for o in plan.by_role("out_of_stock")}
-        self.silent_skus = {o.sku for o in plan.by_role("inventory_silent")}
-        self.silent_ids = {o.id for o in plan.by_role("loyalty_silent")}
-        self.inventory_sub: Any = None
-        self.loyalty_sub: Any = None
-        self.task: asyncio.Task[None] | None = None
-        self.stopping = False
+    def record(kind: str, name: str, oid: str | None, **detail: Any) -> None:
+        run.log.record(kind, name, oid, role="inventory" if name.startswith("inventory") else "loyalty", **detail)
 
-    async def start(self) -> None:
-        nc, names = self.run.nc, self.run.names
-        self.inventory_sub = await nc.subscribe(names.subject(INVENTORY), cb=self._inventory)
-        self.loyalty_sub = await nc.subscribe(names.subject(LOYALTY_ASK), cb=self._loyalty)
-        sub = await self.run.js.pull_subscribe_bind(names.durable(LOYALTY), names.stream(STREAM))
-        self.task = asyncio.ensure_future(self._consume(sub))
-        await settle_subscriptions(nc)
-
-    async def inventory_down(self) -> None:
-        await self.inventory_sub.unsubscribe()
-        self.inventory_sub = None
-        await settle_subscriptions(self.run.nc)
-        self.run.log.record("note", "inventory_down", None, role="inventory")
-
-    async def inventory_up(self) -> None:
-        self.inventory_sub = await self.run.nc.subscribe(self.run.names.subject(INVENTORY), cb=self._inventory)
-        await settle_subscriptions(self.run.nc)
-        self.run.log.record("note", "inventory_up", None, role="inventory")
-
-    async def stop(self) -> None:
-        # nats-py's fetch can swallow a cancellation, so the loop also checks a flag and the
-        # wait is bounded: a grader must never hang on its own service.
-        self.stopping = True
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.wait({self.task}, timeout=2.0)
-
-    async def _inventory(self, msg: Any) -> None:
-        sku = _sku(msg.data)
-        oid = _order_id(msg.data) or self.by_sku.get(sku or "")
-        log = self.run.log
-        if sku in self.silent_skus:
-            log.record("note", "inventory_ignored", oid, role="inventory", sku=sku)
-            return  # silent: the request arrived and is dropped on the floor
-        reserved = sku is not None and sku not in self.no_stock
-        log.record("note", "inventory_answered", oid, role="inventory", sku=sku, reserved=reserved)
-        if msg.reply:
-            await msg.respond(json.dumps({"reserved": reserved}).encode())
-
-    async def _loyalty(self, msg: Any) -> None:
-        oid = _order_id(msg.data)
-        if oid is None:
-            self.run.log.record("note", "loyalty_unreadable", None, role="loyalty", data=msg.data[:80])
-        elif oid in self.silent_ids:
-            self.run.log.record("note", "loyalty_ignored", oid, role="loyalty")
-            return
-        else:
-            self.run.log.record("effect", "award_points", oid, role="loyalty", via="request")
-        if msg.reply:
-            await msg.respond(b'{"ok": true}')
-
-    async def _consume(self, sub: Any) -> None:
-        # The loyalty service reads every order event from its own durable and acks each once done.
-        while not self.stopping:
-            try:
-                msgs = await sub.fetch(50, timeout=0.2)
-            except TimeoutError:
-                continue
-            except Exception:  # the run is over: the connection is closing
-                return
-            for msg in msgs:
-                oid = _order_id(msg.data)
-                seq = msg.metadata.sequence.stream
-                if oid is None:
-                    self.run.log.record("note", "loyalty_unreadable", None, role="loyalty", seq=seq, data=msg.data[:80])
-                else:
-                    self.run.log.record("effect", "award_points", oid, role="loyalty", via="event", seq=seq)
-                with contextlib.suppress(Exception):
-                    await msg.ack_sync()
+    return Storefront(
+        run.nc, run.js, run.names, record, stream=STREAM, durable=LOYALTY,
+        no_stock={o.sku for o in plan.by_role("out_of_stock")},
+        silent_skus={o.sku for o in plan.by_role("inventory_silent")},
+        silent_ids={o.id for o in plan.by_role("loyalty_silent")},
+        ids_by_sku={o.sku: o.id for o in plan.orders},
+    )  # fmt: skip
 
 
 class Stream:
@@ -492,7 +337,7 @@ class Stream:
                     raw = await self.run.js.get_msg(self.run.names.stream(STREAM), seq)
                 except NotFoundError:
                     continue
-                self.events[seq] = (raw.subject or "", _order_id(raw.data or b""), time.time())
+                self.events[seq] = (raw.subject or "", order_id(raw.data or b""), time.time())
             self.scanned = max(self.scanned, info.state.last_seq)
 
     def seqs(self, oid: str) -> list[int]:
@@ -562,7 +407,7 @@ async def grade(run: Run) -> list[Check]:
     """Run the workload with its faults, phase by phase, and judge the invariants."""
     plan = Plan.draw(run.seed)
     await _provision(run.js, run.names)
-    shop, stream = Shop(run, plan), Stream(run)
+    shop, stream = _storefront(run, plan), Stream(run)
     watch = await EMAIL_TOPOLOGY.watch(run)
     await shop.start()
     email = HeldSpawns(run, "email_worker", plan.faults, limit=len(plan.crashes) + 1, params=PARAMS)
@@ -581,7 +426,7 @@ async def grade(run: Run) -> list[Check]:
 
 
 async def _workload(
-    run: Run, plan: Plan, shop: Shop, stream: Stream, watch: BrokerWatch, email: HeldSpawns, desk: OrderDesk
+    run: Run, plan: Plan, shop: Storefront, stream: Stream, watch: BrokerWatch, email: HeldSpawns, desk: OrderDesk
 ) -> Idle:
     phase = Phases(run)
 
@@ -630,9 +475,11 @@ async def _workload(
                 # on every replay of a seed, whatever its batch size.
                 await run.wait_for(_emailed_or_gone(run, order.id, w1), SERIAL_WAIT)
     async with phase("inventory down"):
-        await shop.inventory_down()
+        await shop.set("inventory", "down")
+        run.log.record("note", "inventory_down", None, role="inventory")
         await desk.place(plan.one("inventory_down"))
-        await shop.inventory_up()
+        await shop.set("inventory", "up")
+        run.log.record("note", "inventory_up", None, role="inventory")
     async with phase("inventory silent, email worker #2"):  # the silent order in the other process
         silent = asyncio.ensure_future(desk.place(plan.one("inventory_silent")))
         w2 = await email.release()
