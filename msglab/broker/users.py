@@ -55,9 +55,12 @@ LEARNER_DENY_PUBLISH = [
     "$SYS.>",
 ]
 LEARNER_DENY_SUBSCRIBE = ["$SYS.>", "_INBOX.>"]  # `_INBOX.` is the grader's and the services' inbox
-# The course services' subjects under their default prefixes (msglab.world): learner code asks them
-# nothing directly (the grader forwards what it must), so it may neither speak for them nor listen.
+# The course services' subjects under their default prefixes (msglab.world): learner code may not
+# listen to them (the grader's requests and their answers are evidence). It may not speak for the
+# ones only the grader asks (it forwards what a lab's effects need); a lesson's workers ask the
+# gateway themselves, so a lab that forbids that says so in its LEARNER_DENY_PUBLISH.
 COURSE_SERVICES = ["provider.>", "gateway.>"]
+GRADER_ONLY_SERVICES = ["provider.>"]
 # A run's own server: its account's JetStream storage (a lab stores kilobytes; an attack stored 300 MB).
 RUN_JETSTREAM = {"max_memory": 32 << 20, "max_file": 64 << 20, "max_streams": 16, "max_consumers": 64}
 
@@ -114,7 +117,7 @@ class RunUsers:
         self.subjects: list[str] | None = list(getattr(grader, "LEARNER_SUBJECTS", None) or []) or None
         self.requests = list(getattr(grader, "LEARNER_REQUESTS", None) or [])
         self.deny_publish = (
-            LEARNER_DENY_PUBLISH + COURSE_SERVICES + platform_consumer_denials("", platform, durables) + extra
+            LEARNER_DENY_PUBLISH + GRADER_ONLY_SERVICES + platform_consumer_denials("", platform, durables) + extra
         )
         self.deny_subscribe = LEARNER_DENY_SUBSCRIBE + COURSE_SERVICES
 
@@ -225,7 +228,7 @@ def course_platform_streams() -> list[str]:
 
 def course_service_subjects() -> list[str]:
     """Subjects only course services may publish on (every grader's LEARNER_DENY_PUBLISH, the services')."""
-    subjects: set[str] = set(COURSE_SERVICES)
+    subjects: set[str] = set(GRADER_ONLY_SERVICES)
     for module in _course_modules():
         subjects.update(getattr(module, "LEARNER_DENY_PUBLISH", ()))
     return sorted(subjects)

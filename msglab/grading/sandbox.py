@@ -15,7 +15,7 @@ process (no container engine, no user namespaces, which this course cannot count
   makes that folder 0700), cannot read the run's server config or signal the grader. At the
   end the grader kills every process of that uid (`kill -9 -1` as that uid), which catches
   children that detached or double-forked into sessions of their own.
-- **A private scratch** when the grader is root: the run's zygote enters a mount and IPC namespace
+- **A private scratch** with a user of its own: the run's zygote enters a mount and IPC namespace
   of its own with bounded tmpfs on /tmp, /var/tmp and /dev/shm (the run's folder bound back in), so
   what a run writes there is bounded in total and vanishes with it, System V IPC too; where the kernel
   refuses (no CAP_SYS_ADMIN), the end-of-run sweep removes every file and IPC object of the run's uid.

@@ -17,7 +17,7 @@ the learner process gets a `sys.path` of the standard library, site-packages and
 folder only, and cannot import the course's graders, services, demos or classroom tools
 (`sandbox.seal_course`).
 
-The zygote is the run's container: as root it takes a private scratch at its first spawn
+The zygote is the run's container: for a sandbox user it takes a private scratch at its first spawn
 (sandbox.private_scratch: its own bounded /tmp, /var/tmp, /dev/shm and System V IPC); it is a child
 subreaper, so every process the learner's code starts, even one that double-forks into a session of
 its own, stays its descendant; when the grader shuts its side of the control socket (or dies), the
@@ -217,7 +217,8 @@ def _zygote(ctl: socket.socket) -> None:
             spec = request["spawn"]
             if not scratch_done:  # the run's folder is known from its first spawn
                 scratch_done = True
-                private_scratch(_run_folder(spec))
+                if isinstance(spec.get("uid"), int):  # a sandbox user (a lesson's workers write the notebook's files)
+                    private_scratch(_run_folder(spec))
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
