@@ -91,8 +91,10 @@ STUCK_NAKS = 3  # a message nak'ed this many times is judged stuck: it will not 
 LEARNER_SUBJECTS = ["payments.>"]
 LEARNER_DENY_PUBLISH = ["gateway.>"]
 
-_CHARGED = "charge every payment it takes through env.charge, one call per payment, while the process keeps running"
-_COMMITTED = "credit every payment it takes in a transaction that commits, while the process keeps running"
+_CHARGED = (
+    "charge every payment your worker takes through env.charge, one call per payment, while the process keeps running"
+)
+_COMMITTED = "credit every payment your worker takes in a transaction that commits, while the process keeps running"
 
 
 def _kill(effect: str, when: str, point: str, counted: str, hint: str) -> Crash:
