@@ -31,9 +31,9 @@ def test_plan_replays_from_its_seed_and_meets_every_kind() -> None:
         plan = draw_plan(seed)
         assert plan == draw_plan(seed)
         kinds = [e.kind for e in plan.emails]
-        assert sorted(kinds) == sorted(["ok"] * 3 + ["flaky"] * 2 + list(PERMANENT) + ["stubborn"] + ["outage"] * 4)
+        assert sorted(kinds) == sorted(["ok"] * 3 + ["flaky"] * 2 + list(PERMANENT) + ["unreachable"] + ["outage"] * 4)
         assert sum(e.kind in PERMANENT for e in plan.phase(1)[:4]) == 2  # worker #1 meets its faults early
-        assert {plan.get(o).kind for o in plan.redrive} == {"template", "stubborn"}
+        assert {plan.get(o).kind for o in plan.redrive} == {"template", "unreachable"}
         assert all(1 <= len(e.script) <= 2 for e in plan.emails if e.kind == "flaky")
         malformed = next(e for e in plan.emails if e.kind == "malformed")
         with pytest.raises(ValueError):

@@ -44,6 +44,7 @@ from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import Crash
 from msglab.notebook.table import Table
 from msglab.world import email_provider as ep
+from msglab.world import email_requests as er
 from msglab.world.email_provider import EmailApiError  # the class a worker's send_email raises
 
 STREAMS = ("LESSON04_EMAILS", "LESSON04_EMAILS_DLQ", "LESSON04_ADVISORIES", "LESSON04_PROBE")
@@ -213,31 +214,13 @@ def write_module(*functions: Callable[..., Any]) -> tuple[str, str]:
 # --- the bench ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Email:
-    order: str
-    kind: str
-    to: str
-    template: str
-
-    @property
-    def payload(self) -> bytes:
-        return json.dumps({"order_id": self.order, "to": self.to, "template": self.template}).encode()
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Order-Id": self.order, "Correlation-Id": f"corr-{self.order}"}
-
-
-def parse(spec: str) -> Email:
+def parse(spec: str) -> er.EmailRequest:
+    """An email request from "o-1042 bounce" (msglab.world.email_requests gives its address and template)."""
     order, _, kind = spec.partition(" ")
     kind = kind or "ok"
     if kind not in KINDS:
         raise ValueError(f"{spec!r}: the kind is one of {', '.join(KINDS)}")
-    name = order.replace("-", "")
-    to = {"bounce": "anna@gmial.con", "unreachable": f"{name}@fjord.example"}.get(kind, f"{name}@example.com")
-    template = "order_shipped_v2" if kind == "template" else "order_confirmation"
-    return Email(order, kind, to, template)
+    return er.EmailRequest.make(order, kind)  # outage: an ordinary email, sent while the provider is down
 
 
 @dataclass
@@ -302,7 +285,7 @@ class Bench:
 
 
 class _Runner:
-    def __init__(self, bench: Bench, lab: Run, plan: list[Email]) -> None:
+    def __init__(self, bench: Bench, lab: Run, plan: list[er.EmailRequest]) -> None:
         self.bench = bench
         self.lab = lab
         self.plan = plan
@@ -347,13 +330,8 @@ class _Runner:
         subs = [await lab.nc.subscribe(advisory, cb=self._on_exhausted)]
         # The provider: what is wrong with which email, from a clean slate.
         await bench.provider.control(bench.nc, "reset")
-        for email in self.plan:
-            if email.kind == "bounce":
-                await bench.provider.control(bench.nc, "mailbox", address=email.to, exists=False)
-            elif email.kind == "template":
-                await bench.provider.control(bench.nc, "template", name=email.template, known=False)
-            elif email.kind == "unreachable":
-                await bench.provider.control(bench.nc, "domain", name=ep.domain_of(email.to), reachable=False)
+        for op, args in er.breaks(self.plan):
+            await bench.provider.control(bench.nc, op, **args)
         workers = list(await spawning)
         if o["copier"] is not None:
             await lab.spawn("copier", params={"copier": o["copier"].__name__})
@@ -402,18 +380,12 @@ class _Runner:
         async def send_email(child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
             from msglab.grading.harness import Refuse
 
-            email = {"order_id": key, "to": detail.get("to"), "template": detail.get("template")}
             ts = time.time()
-            try:
-                message_id = await ep.send(bench.nc, bench.provider.subject, email)
-            except ep.EmailApiError as exc:
-                self.row("attempt", key or "", ts, status=exc.status, text=str(exc), pid=child.pid)
-                raise Refuse("EmailApiError", str(exc)) from None
-            except ConnectionResetError as exc:
-                self.row("attempt", key or "", ts, status=0, text=str(exc), pid=child.pid)
-                raise Refuse("ConnectionResetError", str(exc)) from None
-            self.row("attempt", key or "", ts, status=200, text=message_id, pid=child.pid)
-            return message_id
+            answer = await er.forward(bench.nc, bench.provider.subject, key or "", detail)
+            self.row("attempt", key or "", ts, status=answer.status, text=answer.text, pid=child.pid)
+            if answer.error:
+                raise Refuse(answer.error, answer.text)
+            return answer.text
 
         async def dead_letter(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
             self.row("dead_letter", key or "", pid=child.pid, **detail)
@@ -444,14 +416,8 @@ class _Runner:
 
     async def _redrive(self, o: dict[str, Any], seqs: dict[int, str], deadline: float) -> None:
         bench, lab = self.bench, self.lab
-        for email in self.plan:
-            if email.order in o["fix"]:
-                if email.kind == "template":
-                    await bench.provider.control(bench.nc, "template", name=email.template, known=True)
-                elif email.kind == "unreachable":
-                    await bench.provider.control(bench.nc, "domain", name=ep.domain_of(email.to), reachable=True)
-                elif email.kind == "bounce":
-                    await bench.provider.control(bench.nc, "mailbox", address=email.to, exists=True)
+        for op, args in er.fixes([email for email in self.plan if email.order in o["fix"]]):
+            await bench.provider.control(bench.nc, op, **args)
         self.row("fixed", ",".join(o["fix"]))
         env = RedriveEnv(lab)
         for number in range(1, o["redrive_runs"] + 1):

@@ -55,6 +55,7 @@ from msglab.grading.rules import plural
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held
 from msglab.grading.verdict import Check
 from msglab.world import email_provider as ep
+from msglab.world import email_requests as er
 from msglab.world.email_provider import EmailApiError  # raised in the learner's processes
 
 SUBJECT = "orders.email"
@@ -104,14 +105,14 @@ HEADERS = ("Order-Id", "Correlation-Id")  # what the shop's producer puts on eve
 REASON, DELIVERIES, STREAM_SEQ = "Dlq-Reason", "Dlq-Deliveries", "Dlq-Stream-Seq"  # the DLQ record's headers
 
 PERMANENT = ("bounce", "template", "malformed")
-DEAD = (*PERMANENT, "stubborn")  # what can never be sent within the budget
+DEAD = (*PERMANENT, "unreachable")  # what can never be sent within the budget
 KIND_WORDS = {
     "ok": "an ordinary email",
     "flaky": "an email the provider fails {n} first",
     "bounce": "an email to a mailbox that does not exist (the provider answers 422)",
     "template": "an email whose template is not deployed yet (the provider answers 400)",
     "malformed": "a message whose payload is cut off (not JSON)",
-    "stubborn": "an email to a domain whose mail server is down until the redrive (the provider answers 502)",
+    "unreachable": "an email to a domain whose mail server is down until the redrive (the provider answers 502)",
     "outage": "an ordinary email published while the provider was down (503 for {outage} s)",
     "late": "an ordinary email published once the worker had been idle",
 }
@@ -297,9 +298,9 @@ async def playground(env: Any) -> None:
     folder = tempfile.mkdtemp(prefix="msglab-try04-")
     atexit.register(shutil.rmtree, folder, True)
     provider = await ep.attach(env.nc, os.path.join(folder, "provider.sqlite"), prefix=env.subject("provider"))
-    provider.behaviour.missing_mailboxes.add("anna@gmial.con")
-    provider.behaviour.unreachable_domains.add("fjord.example")
-    provider.behaviour.templates.discard("order_shipped_v2")
+    provider.behaviour.missing_mailboxes.add(er.MISSING_MAILBOX)
+    provider.behaviour.unreachable_domains.add(er.DOWN_DOMAIN)
+    provider.behaviour.templates.discard(er.NEW_TEMPLATE)
     env.provider = provider
     env.EmailApiError = EmailApiError
     env.max_deliver = MAX_DELIVER
@@ -316,26 +317,11 @@ async def playground(env: Any) -> None:
 
 
 @dataclass(frozen=True)
-class Email:
-    """One email request of the plan."""
+class Email(er.EmailRequest):
+    """One email request of the plan (msglab.world.email_requests: its kinds, payload and headers)."""
 
-    order: str
-    kind: str
-    to: str
-    template: str
-    phase: int  # 1 or 2
-    script: tuple[str, ...] = ()  # a flaky email: the provider's first answers
+    phase: int = 1  # 1 or 2 (3: rule 2's late email)
     offset: float = 0.0  # phase 2: seconds after the outage began
-    correlation: str = ""
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Order-Id": self.order, "Correlation-Id": self.correlation}
-
-    @property
-    def payload(self) -> bytes:
-        body = json.dumps({"order_id": self.order, "to": self.to, "template": self.template}).encode()
-        return body[: len(body) // 2] if self.kind == "malformed" else body
 
     def words(self) -> str:
         said = KIND_WORDS[self.kind]
@@ -375,21 +361,22 @@ def draw_plan(seed: int) -> Plan:
     names = list(NAMES)
     r.shuffle(names)
     emails: list[Email] = []
-    for kind in [*phase1, "stubborn", "outage", "outage", "outage", "outage"]:
+    for kind in [*phase1, "unreachable", "outage", "outage", "outage", "outage"]:
         i = len(emails) + 1
         name = names.pop()
-        to = {"bounce": "anna@gmial.con", "stubborn": f"{name}@fjord.example"}.get(kind, f"{name}@example.com")
-        template = "order_shipped_v2" if kind == "template" else r.choice(("order_confirmation", "order_shipped"))
+        template = er.NEW_TEMPLATE if kind == "template" else r.choice(("order_confirmation", "order_shipped"))
         script: tuple[str, ...] = ()
         if kind == "flaky":
             script = tuple(r.choice(("429", "503", "reset")) for _ in range(r.randint(1, 2)))
         phase = 1 if i <= len(phase1) else 2
         offset = FOLLOWERS[i - len(phase1) - 2] if kind == "outage" else 0.0
-        emails.append(Email(f"o-{i:02d}", kind, to, template, phase, script, offset, f"corr-{r.getrandbits(32):08x}"))
-    redrive = tuple(e.order for e in emails if e.kind in ("template", "stubborn"))
+        correlation = f"corr-{r.getrandbits(32):08x}"
+        emails.append(Email.make(f"o-{i:02d}", kind, name, template=template, script=script, phase=phase,
+                                 offset=offset, correlation=correlation))  # fmt: skip
+    redrive = tuple(e.order for e in emails if e.kind in ("template", "unreachable"))
     template = r.choice(("order_confirmation", "order_shipped"))  # drawn last: the emails above stay as they were
-    late = Email(f"o-{len(emails) + 1:02d}", "late", f"{names.pop()}@example.com", template, 3,
-                 correlation=f"corr-{r.getrandbits(32):08x}")  # fmt: skip
+    late = Email.make(f"o-{len(emails) + 1:02d}", "late", names.pop(), template=template, phase=3,
+                      correlation=f"corr-{r.getrandbits(32):08x}")  # fmt: skip
     return Plan(tuple(emails), redrive, late)
 
 
@@ -549,22 +536,16 @@ class Lab:
             self.run.on(name, self._publish_handler(name))
 
     async def on_send(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> Any:
-        order = key or ""
-        email = {"order_id": order, "to": detail.get("to"), "template": detail.get("template")}
-        started = time.time()
+        order, started = key or "", time.time()
         try:
-            message_id = await ep.send(self.run.nc, self.provider.subject, email)
-        except ep.EmailApiError as exc:
-            self.attempts.append(Attempt(started, child.pid, order, exc.status, str(exc)))
-            raise Refuse("EmailApiError", str(exc)) from None
-        except ConnectionResetError as exc:
-            self.attempts.append(Attempt(started, child.pid, order, 0, str(exc)))
-            raise Refuse("ConnectionResetError", str(exc)) from None
+            answer = await er.forward(self.run.nc, self.provider.subject, order, detail)
         except Exception as exc:  # the course's own provider did not answer: never the learner's fault
             self.problems.append(f"the email provider did not answer a send request: {exc!r}")
             raise Refuse("ConnectionResetError", "the course's email provider did not answer") from None
-        self.attempts.append(Attempt(started, child.pid, order, 200, message_id))
-        return message_id
+        self.attempts.append(Attempt(started, child.pid, order, answer.status, answer.text))
+        if answer.error:
+            raise Refuse(answer.error, answer.text)
+        return answer.text
 
     def _publish_handler(self, name: str) -> Any:
         async def handler(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
@@ -660,7 +641,7 @@ class Lab:
             order = _order_of(raw.data, headers)
             email = next((e for e in self.plan.emails if e.order == order), None)
             if email is None:
-                email = Email(order or "?", "unknown", "", "", 3)
+                email = Email(order or "?", "unknown", "", "", phase=3)
             msg = Msg(int(raw.seq), email, ended, bytes(raw.data or b""), headers, copy_run=number)
             self.msgs[msg.seq] = msg
             new.append(msg)
@@ -669,23 +650,14 @@ class Lab:
 
 def _configure(behaviour: ep.Behaviour, plan: Plan) -> None:
     """What is wrong with which email at the provider (the outage comes later, at its moment)."""
-    for email in plan.emails:
-        if email.kind == "bounce":
-            behaviour.missing_mailboxes.add(email.to.lower())
-        elif email.kind == "stubborn":
-            behaviour.unreachable_domains.add(ep.domain_of(email.to))
-        elif email.kind == "flaky":
-            behaviour.scripted[email.to.lower()] = list(email.script)
-        elif email.kind == "template":
-            behaviour.templates.discard(email.template)
+    for op, args in er.breaks(plan.emails):
+        behaviour.control(op, **args)
 
 
 def _fix(behaviour: ep.Behaviour, plan: Plan) -> None:
     """The operators fix two causes: the template is deployed, the recipient's mail server is back."""
-    for email in plan.emails:
-        if email.order in plan.redrive:
-            behaviour.templates.add(email.template)
-            behaviour.unreachable_domains.discard(ep.domain_of(email.to))
+    for op, args in er.fixes([plan.get(order) for order in plan.redrive]):
+        behaviour.control(op, **args)
 
 
 async def grade(run: Run) -> list[Check]:
@@ -1156,7 +1128,7 @@ def _none_lost_check(ev: Evidence) -> Check:
             s.kind in ("ack", "term") for s in lf.settles)
     ]  # fmt: skip
     exhausted = [lf for lf in lost if lf.exhausted is not None]
-    life = (refused_then_settled or exhausted or [_pick(lost, ("bounce", "stubborn", "malformed", "template"))])[0]
+    life = (refused_then_settled or exhausted or [_pick(lost, ("bounce", "unreachable", "malformed", "template"))])[0]
     message = (
         f"{plural(len(lost), 'email')} of {len(originals)} {'was' if len(lost) == 1 else 'were'} lost: {_said(life)} "
         "was never sent and is not in the DLQ."
@@ -1414,7 +1386,7 @@ def _backoff_check(ev: Evidence) -> Check:
             flat.append(candidate)
     if not flat:
         return Check("backoff_grows", title, True)
-    life = _pick(flat, ("stubborn", "outage", "flaky"))
+    life = _pick(flat, ("unreachable", "outage", "flaky"))
     waits = life.waits()
     shown = ", ".join(f"{w:.2f}" for w, _, _ in waits)
     message = (
