@@ -8,6 +8,7 @@ the evidence behind a passing run, and files made in a test to exercise one grad
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,3 +115,66 @@ def test_a_hung_place_order_is_stopped_and_what_was_not_tested_is_said(no_nats_u
     down = failed(verdict, "refuses_inventory_down")
     assert down.message.startswith("could not be tested")
     assert verdict.seconds < 30  # two hung calls, then no more orders: no 60 s grading timeout
+
+
+def test_the_learner_may_ask_the_course_inventory_and_loyalty_but_never_answer_for_them(tmp_path: Path) -> None:
+    # Lab 01's declarations make the learner user an allow-list (msglab.broker.users): its own subjects,
+    # requests to the course's services, the JetStream API on ORDERS; the harness applies it per lab.
+    import asyncio
+
+    import nats
+
+    from msglab.broker.server import EmbeddedServer
+    from msglab.broker.users import LEARNER_INBOX, RunUsers
+
+    users = RunUsers(grader=lab01)
+    config = tmp_path / "server.conf"
+    config.write_text(users.config())
+
+    async def body(url: str) -> dict[str, str]:
+        grader = await nats.connect(users.grader_url(url))
+        learner = await nats.connect(users.learner_url(url), inbox_prefix=LEARNER_INBOX, allow_reconnect=False)
+        out: dict[str, str] = {}
+        try:
+            heard: list[str] = []
+
+            async def note(msg: Any) -> None:
+                heard.append(msg.subject)
+                if msg.reply:
+                    await msg.respond(b'{"reserved": true}')
+
+            await grader.subscribe("loyalty.award", cb=note)
+            await learner.subscribe("inventory.reserve", cb=note)  # answering for the inventory: refused
+            await learner.subscribe("email.send", cb=note)  # an email service of its own, as the starter's
+            await learner.flush()
+            await grader.flush()
+            for who, subject in ((learner, "loyalty.award"), (grader, "inventory.reserve"), (grader, "email.send")):
+                try:
+                    await who.request(subject, b'{"id": "o-1"}', timeout=2)
+                    out[subject] = "answered"
+                except nats.errors.NoRespondersError:
+                    out[subject] = "nobody listens"
+            # A publish outside its subjects is dropped; one on them, sent after it, shows it would have come.
+            await grader.subscribe("payments.>", cb=note)
+            await grader.subscribe("orders.>", cb=note)
+            await grader.flush()
+            await learner.publish("payments.charge", b"{}")
+            await learner.publish("orders.placed", b"{}")
+            await learner.flush()
+            async with asyncio.timeout(5):
+                while "orders.placed" not in heard:
+                    await grader.flush()
+            out["published"] = ", ".join(s for s in heard if s.split(".")[0] in ("payments", "orders"))
+        finally:
+            await learner.close()
+            await grader.close()
+        return out
+
+    with EmbeddedServer(config=str(config)) as server:
+        out = asyncio.run(body(server.url))
+    assert out == {
+        "loyalty.award": "answered",  # the learner may ask loyalty...
+        "inventory.reserve": "nobody listens",  # ... but its subscription to the inventory's subject was refused
+        "email.send": "answered",
+        "published": "orders.placed",  # payments.charge is none of lab 01's subjects
+    }

@@ -49,7 +49,7 @@ from msglab.grading.observe import BrokerWatch, refuse_publishes
 from msglab.grading.rules import plural
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, held
 from msglab.grading.verdict import Check
-from msglab.world.storefront import Storefront, order_id
+from msglab.world.storefront import INVENTORY, LOYALTY_ASK, Storefront, order_id
 
 if TYPE_CHECKING:  # the learner's processes import this module too: they need none of the grader's side
     from msglab.grading.harness import Child, Reply, Run
@@ -61,6 +61,11 @@ EMAIL_TOPOLOGY = Topology("ORDERS", "orders.>", "email", SUBJECT, ACK_WAIT)
 LOYALTY_TOPOLOGY = Topology("ORDERS", "orders.>", "loyalty", SUBJECT, ACK_WAIT)
 STREAM, DURABLES = EMAIL_TOPOLOGY.stream, (EMAIL_TOPOLOGY.durable, LOYALTY_TOPOLOGY.durable)
 EMAIL, LOYALTY = DURABLES
+# What the learner's code may do besides the JetStream API on ORDERS (msglab.broker.users): publish and
+# read its own subjects (the order events, and those an email service of its own answers on, as the
+# starter's does), and ask the course's inventory and loyalty, never answer for them.
+LEARNER_SUBJECTS = ["orders.>", "email.>", "emails.>"]
+LEARNER_REQUESTS = [INVENTORY, LOYALTY_ASK]
 REQUEST_TIMEOUT = 0.8  # env.request_timeout: not nats-py's default (0.5 s), so a missing timeout shows
 SILENT_MIN = REQUEST_TIMEOUT - 0.01  # giving up on a silent inventory sooner than this ignores the timeout
 SILENT_MAX = REQUEST_TIMEOUT + 0.7  # generous for a busy machine; asking twice goes over it
