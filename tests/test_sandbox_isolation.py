@@ -218,7 +218,7 @@ LITTER = """
 def _litter(env):
     import ctypes, os, socket
     tag, key = {tag!r}, {key}
-    wrote = {{}}
+    wrote = {{"/tmp holds": sorted(os.listdir("/tmp"))}}
     for where, count, mb in (("/tmp", 3, 60), ("/dev/shm", 1, 8), ("/var/tmp", 1, 1)):
         wrote[where] = 0
         for i in range(count):
@@ -268,3 +268,6 @@ def test_what_a_run_writes_outside_its_folder_is_bounded_and_gone_after_the_verd
     if OWN_USER:  # as root (a user of its own), the run's scratch is a bounded tmpfs of its own
         assert wrote["/tmp"] <= 64 and "/tmp stopped by" in wrote, wrote
         assert wrote["/dev/shm"] <= 16, wrote
+        # Nothing of the machine's /tmp is in sight (other runs' folders, the grader's files): only its own.
+        others = [name for name in wrote["/tmp holds"] if not name.startswith(tag)]
+        assert len(others) == 1 and others[0].startswith("msglab-run-"), others
