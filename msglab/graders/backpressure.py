@@ -51,6 +51,7 @@ from nats.errors import Error as NatsError
 
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import refuse_publishes
+from msglab.grading.rules import plural
 from msglab.grading.scaffold import Phases, Topology
 from msglab.grading.verdict import Check
 from msglab.world.fulfilment import Fulfilment, Handled, Sample, depth_and_age, order_id
@@ -842,9 +843,10 @@ def _fooled_check(lab: Lab, truth: Truth) -> Check:
         )
     if stuck_wrong:
         s = stuck_wrong[0]
+        which = "it" if s.depth == 1 else "one of them"
         lines.append(
-            f"Shallow but stuck: at {_at(lab, s.a)} the queue held {s.depth} order(s), one of them held by a hung "
-            f"worker for at least {s.lb:.3f} s (budget {BUDGET:.1f} s); your monitor said {s.status or 'nothing'} "
+            f"Shallow but stuck: at {_at(lab, s.a)} the queue held {plural(s.depth, 'order')}; a hung worker had held "
+            f"{which} for at least {s.lb:.3f} s (budget {BUDGET:.1f} s); your monitor said {s.status or 'nothing'} "
             f"(queue_age {s.age:.3f} s)."
         )
     # Whose fault: the age (it agreed with the status it got) or the status (it ignored the age it got)?
