@@ -29,7 +29,6 @@ import asyncio
 import inspect
 import os
 import shutil
-import sys
 import tempfile
 import textwrap
 import time
@@ -44,7 +43,7 @@ from msglab.grading.effects import Event as Row
 from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.sandbox import Sandbox
-from msglab.grading.scaffold import Topology
+from msglab.grading.scaffold import HeldSpawns, Topology, held
 
 STREAM = "ORDERS"
 SUBJECT = "orders.charge"
@@ -104,14 +103,6 @@ def _record_acks(env: Any, msg: Any, key: str) -> None:
     msg.ack, msg.ack_sync = recorded_ack, recorded_ack_sync
 
 
-async def wait_for_go() -> None:
-    """Block until the notebook writes a line on stdin: workers start ahead of their turn."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    await reader.readline()
-
-
 async def fetch_loop(env: Any, handler: Callable[..., Awaitable[Any]], key_of: Callable[[Any], str]) -> None:
     """Fetch one message at a time from the run's durable and hand it to the handler, for ever."""
     env.world.note("started", None)
@@ -130,9 +121,10 @@ async def fetch_loop(env: Any, handler: Callable[..., Awaitable[Any]], key_of: C
 
 
 async def role_worker(env: Any, learner: Any) -> None:
-    """One worker process: wait for its turn, then fetch and hand each message to the handler."""
+    """One worker process: wait held for its turn (msglab.grading.scaffold), then fetch and hand each message
+    to the handler."""
     _add_effects(env)
-    await wait_for_go()
+    held(env)
     await fetch_loop(env, getattr(learner, env.params["handler"]), lambda msg: msg.data.decode())
 
 
@@ -235,10 +227,8 @@ async def run_workers(
             for point in {p for p, _ in planned}:
                 lab.on(point, killer(point))
 
-            def spawn(i: int) -> asyncio.Task[Child]:
-                return asyncio.ensure_future(lab.spawn("worker", faults=list(turns[i]), params=worker_params))
-
-            waiting = [spawn(i) for i in range(min(ahead, len(turns)))]
+            workers = HeldSpawns(lab, "worker", lambda i: list(turns[i]), len(turns), params=worker_params)
+            workers.prepare(min(ahead, len(turns)))
             sent = await asyncio.gather(
                 *(
                     lab.js.publish(names.subject(subject), body, headers=(headers[i] if headers else None))
@@ -263,9 +253,9 @@ async def run_workers(
             try:
                 for i in range(len(turns)):
                     if i + ahead < len(turns):
-                        waiting.append(spawn(i + ahead))
-                    child = await waiting.pop(0)
-                    await go(child)
+                        workers.prepare(1)
+                    child = await workers.release()
+                    assert child is not None  # never more turns than its limit
                     pids.append(child.pid)
                     remaining = max(0.1, deadline - time.monotonic())
                     if turns[i]:
@@ -280,21 +270,11 @@ async def run_workers(
                     else:
                         await lab.wait_for(lambda c=child: finished(c.pid), remaining)  # type: ignore[misc]
             finally:
-                for task in waiting:
-                    if task.done() and not task.cancelled():
-                        task.exception()  # retrieved: the first failure is already on its way up
-                    task.cancel()
+                await workers.cancel()  # the ones started ahead of a turn that never came
             rows = lab.log.events()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return Raw(rows, pids, len(payloads), stored, time.perf_counter() - started)
-
-
-async def go(child: Child) -> None:
-    """Tell a worker that waits for its turn to start."""
-    assert child.proc.stdin is not None
-    child.proc.stdin.write(b"go\n")
-    await child.proc.stdin.drain()
 
 
 # --- the crash experiment --------------------------------------------------------------------
@@ -565,18 +545,21 @@ async def timer_run(handler: Callable[..., Any], *, zombie: bool = False, timeou
                 lab.record_effect(child, "fraud_check", key)
 
             lab.on("fraud_check", fraud_check)
-            a = await lab.spawn("worker", params=params)
-            b = await lab.spawn("worker", faults=[Crash("charge", 1, "before")] if zombie else [], params=params)
-            c = await lab.spawn("worker", params=params) if zombie else None
-            letters = {a.pid: "A", b.pid: "B"} | ({c.pid: "C"} if c else {})
+            plans: list[list[Crash]] = [[], [Crash("charge", 1, "before")] if zombie else []] + ([[]] if zombie else [])
+            workers = HeldSpawns(lab, "worker", lambda n: plans[n], len(plans), params=params)
+            workers.prepare(len(plans))  # A, B and (for the zombie) C, released in that order
             await lab.js.publish(names.subject(SUBJECT), order_key(1).encode())
-            await go(a)
+            a = await workers.release()
+            assert a is not None
             await lab.wait_for(lambda: any(e.pid == a.pid for e in lab.log.events("note", "delivery")), timeout)
-            await go(b)
-            if zombie and c is not None:
+            b = await workers.release()
+            assert b is not None
+            c = None
+            if zombie:
                 await lab.wait_for(lambda: not b.alive, timeout)
-                await go(c)
+                c = await workers.release()
                 b_dead.set()
+            letters = {a.pid: "A", b.pid: "B"} | ({c.pid: "C"} if c else {})
 
             async def finished() -> bool:
                 notes = lab.log.events("note")

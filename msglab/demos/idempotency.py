@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from msglab.broker import delete_streams
-from msglab.demos.delivery_guarantees import fetch_loop, go, run_workers, wait_for_go, write_handler
+from msglab.demos.delivery_guarantees import fetch_loop, run_workers, write_handler
 from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import rng
 from msglab.grading.sandbox import Sandbox
+from msglab.grading.scaffold import HeldSpawns, held
 from msglab.world import gateway as gw
 from msglab.world.payments import ledger_counts, open_shop
 
@@ -75,9 +76,9 @@ def _payment_id(msg: Any) -> str:
 
 
 async def role_worker(env: Any, learner: Any) -> None:
-    """One worker process: open the shop's database, wait for its turn, handle payments."""
+    """One worker process: open the shop's database, wait held for its turn, handle payments."""
     _add_effects(env)
-    await wait_for_go()
+    held(env)
     await fetch_loop(env, getattr(learner, env.params["handler"]), _payment_id)
 
 
@@ -281,12 +282,12 @@ class PaymentBench:
 
                 lab.on("hold", hold)
                 params = {"handler": handler.__name__, "stream_name": STREAM, "consumer": DURABLE, "db_path": path}
-                workers = await asyncio.gather(*(lab.spawn("worker", params=params) for _ in range(2)))
+                spawns = HeldSpawns(lab, "worker", lambda n: [], 2, params=params)
+                spawns.prepare(2)
                 for p in batch:
                     for _ in range(2):  # the checkout published it twice: each worker takes one copy
                         await lab.js.publish(lab.names.subject(SUBJECT), json.dumps(p).encode())
-                for worker in workers:
-                    await go(worker)
+                workers = [worker for worker in [await spawns.release(), await spawns.release()] if worker]
 
                 async def done() -> bool:
                     notes = lab.log.events("note")
