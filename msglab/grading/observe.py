@@ -5,6 +5,15 @@ every pull request its workers send (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<durabl
 delivers them to the grader's subscription as well as to the server. So a grader knows which
 stream sequence was acked when, whichever client API or batching the learner used, and how long
 a worker's fetch waits (its `expires`), without asking the learner's process anything.
+
+An ack counts only if the server acted on it: its subject must be the reply subject of a delivery
+the server made. A learner process can publish on `$JS.ACK...` subjects it builds itself (the
+server ignores one that names no delivery), so the watch also takes a copy of every delivery to
+the learner's inboxes and keeps an ack-family message only when it answers one of them; the rest
+are kept apart in `unmatched`, never as evidence. A delivery is told from a learner's publish on
+its own inbox by its subject: the server sends it under the stream's subject, a publish on an
+inbox carries the inbox's.
+
 `refuse_publishes` makes a stream reject publishes for a while (a full stream with discard-new),
 so a grader can check that "accepted" means the stream confirmed it.
 """
@@ -42,20 +51,36 @@ class Pull:
     inbox: str = ""  # the reply inbox's prefix: one per connection, so it tells workers apart
 
 
+UNMATCHED_KEPT = 10_000  # ack-family messages naming no delivery kept for a verdict (a flood is bounded)
+
+
 @dataclass
 class BrokerWatch:
     """Acks and pull requests of one durable, as the grader's own connection sees them."""
 
     stream: str
     durable: str
-    acks: list[Ack] = field(default_factory=list)
+    acks: list[Ack] = field(default_factory=list)  # only acks that answer a delivery the server made
     pulls: list[Pull] = field(default_factory=list)
+    deliveries: dict[str, float] = field(default_factory=dict)  # reply subject -> when the server sent it
+    unmatched: dict[str, list[Ack]] = field(default_factory=dict)  # by subject: naming no delivery (yet)
     _subs: list[Any] = field(default_factory=list)
+    _inboxes: tuple[str, ...] = ()
+    _nc: Any = None
+    _unmatched_count: int = 0
 
-    async def start(self, nc: Any) -> BrokerWatch:
+    async def start(self, nc: Any, inboxes: list[str] | None = None) -> BrokerWatch:
+        """Subscribe on `nc`; `inboxes` are the learner's inbox prefixes (default: what the run's
+        connection names in `msglab_inboxes`, set by harness.Run, else the learner user's and nats-py's)."""
         from msglab.broker import settle_subscriptions
+        from msglab.broker.users import LEARNER_INBOX
 
+        named = inboxes or getattr(nc, "msglab_inboxes", None) or [LEARNER_INBOX, "_INBOX"]
+        prefixes = list(dict.fromkeys(named))
+        self._nc = nc
+        self._inboxes = tuple(prefix + "." for prefix in prefixes)
         self._subs = [
+            *[await nc.subscribe(f"{prefix}.>", cb=self._on_delivery) for prefix in prefixes],
             await nc.subscribe(f"$JS.ACK.{self.stream}.{self.durable}.>", cb=self._on_ack),
             await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}", cb=self._on_pull),
         ]
@@ -67,6 +92,27 @@ class BrokerWatch:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    def _ours(self, subject: str) -> bool:
+        """An ack subject of this watch's stream and durable (the durable may be '*': every one)."""
+        tokens = subject.split(".")
+        at = 2 if len(tokens) == 9 else 4  # v1, or v2 with domain and account hash
+        return (
+            len(tokens) in (9, 11, 12)
+            and tokens[:2] == ["$JS", "ACK"]
+            and tokens[at] == self.stream
+            and self.durable in ("*", tokens[at + 1])
+        )
+
+    async def _on_delivery(self, msg: Any) -> None:
+        reply, subject = msg.reply or "", msg.subject or ""
+        # The server's delivery carries the stream's subject; a publish on an inbox carries the inbox.
+        if not self._ours(reply) or subject.startswith(self._inboxes) or reply in self.deliveries:
+            return
+        self.deliveries[reply] = time.time()
+        early = self.unmatched.pop(reply, None)  # its ack was heard first (never on one server; cheap to allow)
+        if early:
+            self.acks = sorted([*self.acks, *early], key=lambda ack: ack.ts)
+
     async def _on_ack(self, msg: Any) -> None:
         tokens = msg.subject.split(".")
         # $JS.ACK.<stream>.<durable>.<delivered>.<sseq>.<dseq>.<ts>.<pending> (v1), or with domain and account hash (v2)
@@ -76,17 +122,34 @@ class BrokerWatch:
         except (IndexError, ValueError):
             return
         kind = ACK_KINDS.get(msg.data.split(b" ", 1)[0], "other")
-        self.acks.append(Ack(time.time(), kind, seq, delivered))
+        ack = Ack(time.time(), kind, seq, delivered)
+        if msg.subject in self.deliveries:
+            self.acks.append(ack)
+        elif self._unmatched_count < UNMATCHED_KEPT:
+            # No delivery had this reply subject: the server ignores it, and so does the grader.
+            self._unmatched_count += 1
+            self.unmatched.setdefault(msg.subject, []).append(ack)
 
     async def _on_pull(self, msg: Any) -> None:
         try:
             request = json.loads(msg.data or b"{}")
         except ValueError:
             request = {}
-        if isinstance(request, int):  # a bare batch size is a valid request too
+        if isinstance(request, int) and not isinstance(request, bool):  # a bare batch size is a valid request too
             request = {"batch": request}
-        inbox = ".".join((msg.reply or "").split(".")[:2])
-        batch, expires = int(request.get("batch", 1)), request.get("expires", 0) / 1e9
+        if not isinstance(request, dict):
+            request = {}
+        reply = msg.reply or ""
+        inbox = ".".join(reply.split(".")[:2])
+        first = reply.split(".")[0]
+        if first and self._nc is not None and not reply.startswith(self._inboxes) and len(self._inboxes) < 8:
+            # A worker with an inbox of its own choosing: its deliveries are watched from now on.
+            self._inboxes += (first + ".",)
+            self._subs.append(await self._nc.subscribe(f"{first}.>", cb=self._on_delivery))
+        try:
+            batch, expires = int(request.get("batch", 1)), float(request.get("expires", 0)) / 1e9
+        except (TypeError, ValueError, OverflowError):
+            return  # the server refuses a malformed request too
         self.pulls.append(Pull(time.time(), batch, expires, bool(request.get("no_wait")), inbox))
 
     def acked(self, stream_seq: int, before: float | None = None) -> Ack | None:
