@@ -42,6 +42,7 @@ from typing import Any
 
 from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import Crash
+from msglab.grading.scaffold import HeldSpawns, held
 from msglab.notebook.table import Table
 from msglab.world import email_provider as ep
 from msglab.world import email_requests as er
@@ -127,18 +128,11 @@ def _record_settles(env: Any, msg: Any, key: str) -> None:
     msg.ack, msg.ack_sync, msg.nak, msg.term = noted_ack, noted_ack_sync, noted_nak, noted_term
 
 
-async def _wait_for_go() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    await reader.readline()
-
-
 async def role_worker(env: Any, learner: Any) -> None:
     """One email worker: wait for its turn, then fetch one email at a time and hand it to the handler."""
     _add_effects(env)
     handler = getattr(learner, env.params["handler"])
-    await _wait_for_go()
+    held(env)
     sub = await env.js.pull_subscribe_bind(env.durable(DURABLE), env.stream(STREAM))
     while True:
         try:
@@ -305,10 +299,8 @@ class _Runner:
         # The workers start while the streams are made: they wait for their turn before fetching.
         params = {"handler": handler.__name__}
         kill = [Crash("dead_letter", 1, "after")] if o["kill"] else []
-        planned = [lab.spawn("worker", faults=kill, params=params)]
-        if o["kill"]:
-            planned.append(lab.spawn("worker", params=params))
-        spawning = asyncio.ensure_future(asyncio.gather(*planned))
+        spawns = HeldSpawns(lab, "worker", lambda n: kill if n == 0 else [], 2 if o["kill"] else 1, params=params)
+        spawns.prepare(spawns.limit)
         stream = names.stream(STREAM)
         window = {} if o["window"] is None else {"duplicate_window": o["window"]}
         await lab.js.add_stream(name=stream, subjects=[names.subject(SUBJECT)], **window)
@@ -332,7 +324,7 @@ class _Runner:
         await bench.provider.control(bench.nc, "reset")
         for op, args in er.breaks(self.plan):
             await bench.provider.control(bench.nc, op, **args)
-        workers = list(await spawning)
+        await asyncio.gather(*spawns.waiting)  # up and held: starting them costs the experiment no time
         if o["copier"] is not None:
             await lab.spawn("copier", params={"copier": o["copier"].__name__})
         self.t0 = time.time()
@@ -346,12 +338,12 @@ class _Runner:
             ack = await lab.js.publish(names.subject(SUBJECT), email.payload, headers=email.headers)
             seqs[int(ack.seq)] = email.order
             self.row("published", email.order, ts, seq=int(ack.seq))
-        await _go(workers[0])
+        first = await spawns.release()
         started = time.time()  # the experiment's length counts from here: publishing under load must not eat it
         deadline = time.monotonic() + o["timeout"]
         if o["kill"]:
-            await lab.wait_for(lambda: not workers[0].alive, o["timeout"])
-            await _go(workers[1])
+            await lab.wait_for(lambda: first is None or not first.alive, o["timeout"])
+            await spawns.release()  # the second worker takes over
         if o["seconds"] is not None:
             await asyncio.sleep(max(0.0, started + o["seconds"] - time.time()))  # the experiment's length
         else:
@@ -452,12 +444,6 @@ class RedriveEnv:
         self.dlq_subject = lab.names.subject(DLQ_SUBJECT)
         self.stream = lab.names.stream(STREAM)
         self.subject = lab.names.subject(SUBJECT)
-
-
-async def _go(child: Child) -> None:
-    assert child.proc.stdin is not None
-    child.proc.stdin.write(b"go\n")
-    await child.proc.stdin.drain()
 
 
 async def _read(js: Any, stream: str, first: int = 1, last: int | None = None) -> list[Any]:
