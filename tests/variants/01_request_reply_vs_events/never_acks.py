@@ -4,6 +4,7 @@ Every event comes back after ack_wait, to be emailed again, forever.
 Expect: fail all_acked, no_duplicate_emails
 Says: ever reached the broker, so it delivered the event again after every ack_wait
 Says: The broker never received an ack on it
+Says: could not be tested: the durable 'email' never emptied
 """
 
 import asyncio
