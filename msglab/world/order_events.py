@@ -24,9 +24,9 @@ The ledger is where events are applied, and the one place that counts what went 
 
 A violation is an event applied after a later event of its key was applied (per-key order broken);
 a duplicate is an event applied more than once; `wrong_final` counts orders whose state, replaying
-the events in the order they were applied, is not their true last state (a cancelled order left
-"paid" ships). `overlaps` counts keys two workers held at once, from the (start, end) each apply
-reports.
+every application in the order it was made (duplicates too: a stalled worker's late "created" sets a
+shipped order back), is not their true last state (a cancelled order left "paid" ships).
+`overlaps` counts keys two workers held at once, from the (start, end) each apply reports.
 
 Over NATS, for worker processes: `await serve(nc, subject, ledger)` answers apply requests on a
 connection of the serving process (a lesson's kernel, or a grader: the evidence stays in its
@@ -100,6 +100,14 @@ def workload(seed: int, orders: int = 100, *, customers: int = 20, skew: float =
         if not chain:
             pending.remove(chain)
     return out
+
+
+class OrderRejected(Exception):
+    """The order system refused to apply this event: the order is on hold until the back office resolves it."""
+
+
+def rejected_text(event: Event) -> str:
+    return f"order {event.key} is on hold (payment under review); {event.kind} (event {event.seq}) not applied"
 
 
 # --- partitions ---------------------------------------------------------------------------------------
@@ -210,6 +218,8 @@ class Ledger:
         for a in self.log:
             if (a.key, a.seq) in seen:
                 duplicates += 1
+                # A late duplicate is applied all the same: "created" again after "shipped" sets the order back.
+                state[a.key] = a.kind
                 continue
             seen.add((a.key, a.seq))
             if a.seq < highest.get(a.key, 0):
