@@ -1,0 +1,737 @@
+"""Lab 06 grader: a partitioned consumer group for order events, judged on the order system's ledger.
+
+The learner's file routes events (`publish(env, event, n)`, run by two publisher processes the
+grader starts and feeds: one order's events come through both) and applies them (`worker(env,
+partition, n, previous)`, one process per partition, applying through `env.apply(event)`). The
+ledger (msglab.world.order_events.Ledger, in the grader's memory) records every application with
+the grader's clock; the grader watches every ack on the stream (BrokerWatch on all durables).
+
+Workload, in phases (seeded):
+  two partitions    the first part of an order workload on n=2; the first worker of partition 0 is
+                    killed right after env.apply recorded its event #c (before its ack), the first
+                    of partition 1 on its env.apply call #c' before the event is applied; each
+                    partition's worker is restarted whenever its process ends;
+  rescale           the publishers switch to n=3 and keep publishing the rest (events of orders
+                    already under way included); three new workers start (previous=2) while the
+                    two old ones keep running;
+  poison            a burst of new orders on n=3; one order's first event is refused by env.apply
+                    (OrderRejected) until the back office resolves it, which happens once every
+                    other event of the burst was applied (or POISON_WINDOW passed);
+  late event        after the stream went idle and a worker asked again after an empty fetch, one
+                    late event (rule 2);
+  throughput        the old workers stopped, the same backlog (fresh keys) on n=1 and on n=4: the
+                    ledger's busy span of each, judged as a ratio (a lower bound, load shrinks it
+                    only where it slows both alike).
+
+Checks: per_key_order, none_lost, no_extra_duplicates (rule 6's allowance), one_owner_per_key,
+order_kept_during_rescale, parked_key_resumes_in_order, other_keys_flow_while_parked,
+throughput_grows_with_partitions, all_acked, survives_idle; faults_fired and no_unplanned_deaths
+come from the platform.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from msglab.grading import rules
+from msglab.grading.nemesis import Crash, rng
+from msglab.grading.rules import plural
+from msglab.grading.scaffold import HeldSpawns, Phases, Trace, gone, held
+from msglab.grading.verdict import Check
+from msglab.world.order_events import Applied, Event, Ledger, OrderRejected, rejected_text, workload
+
+__all__ = ["OrderRejected"]  # the runner raises it in the learner's process by this module's name
+
+if TYPE_CHECKING:  # learner processes import this module too: they need none of the grader's side
+    from msglab.grading.harness import Child, Run
+
+STREAM = "SHOP_EVENTS"  # every subject under shop.> is stored; the learner's durables live on it
+WILDCARD = "shop.>"
+LEARNER_SUBJECTS = [WILDCARD]  # publishers, parking: any subject under shop.
+SCALE = 2.0  # env.apply takes the lesson's work time of the event's kind, times this (4-20 ms)
+ACK_WAIT_MAX = 1.0  # the README's bound: a killed worker's event must come back within this
+CHUNK = 4  # events per publisher call; chunks alternate between the two publishers (seeded)
+PHASE_DEADLINE = 6.0  # seconds a phase may take before the grader gives up on it
+THROUGHPUT_DEADLINE = 6.0  # seconds each backlog may take (a correct worker needs about 1.5 s at n=1)
+BUDGET = 36.0  # seconds all phases may take together: the platform stops a run at 45 s
+POISON_WINDOW = 3.0  # the back office resolves the poisoned order once the others are applied, or after this
+IDLE_DEADLINE, LATE_DEADLINE = 4.0, 3.0
+# Throughput, judged as two ratios, never a time: on n=4 the busiest worker applies at most 1/SPREAD of the
+# backlog (a count: key by order gives 1/3.2-1/2.2 on these seeds, by customer about 1/1.1), and the backlog
+# is applied at least RATIO times faster than on n=1 (a lower bound: 2-3.7 measured with the machine loaded,
+# serial workers give 1.0).
+SPREAD, RATIO = 1.6, 1.4
+MAX_WORKERS = 20
+TRACE_LINES = 14
+
+
+def _event(data: Any) -> Event:
+    return Event(**{k: data[k] for k in ("key", "seq", "kind", "customer", "n")})
+
+
+# --- what runs inside the learner's processes ------------------------------------------------
+
+
+def _add_world(env: Any) -> None:
+    """Give env the order system: apply, resolved, the Event class and OrderRejected."""
+
+    async def apply(event: Event) -> None:
+        # A real call is a round trip: what the worker left in its write buffer (an ack) leaves now.
+        await env.nc.flush()
+        env.world.call("apply", str(event.key), seq=int(event.seq))
+
+    async def resolved(key: str) -> bool:
+        return bool(env.world.call("resolved", str(key)))
+
+    env.Event, env.OrderRejected, env.apply, env.resolved = Event, OrderRejected, apply, resolved
+
+
+async def role_worker(env: Any, learner: Any) -> None:
+    """One worker process: waits held, learns its partition from the grader, runs until killed."""
+    _add_world(env)
+    held(env)
+    partition, n, previous = env.world.call("assignment")
+    await learner.worker(env, partition, n, previous)
+
+
+def ops_publisher(env: Any, learner: Any) -> dict[str, Any]:
+    """A publisher process: publishes what the grader hands it, one event after another."""
+
+    async def publish(events: list[dict[str, Any]], n: int) -> int:
+        for data in events:
+            await learner.publish(env, _event(data), int(n))
+        return len(events)
+
+    return {"publish": publish}
+
+
+async def playground(env: Any) -> None:
+    """For the lab notebook: the same stream, and an order system that prints. The first order it is
+    asked to apply is on hold: env.apply refuses it for 2 s after its first try."""
+    from nats.js.api import StreamConfig
+
+    await env.js.add_stream(StreamConfig(name=env.stream(STREAM), subjects=[env.subject(WILDCARD)]))
+    hold: dict[str, float] = {}  # the order on hold -> when its first try came
+
+    def on_hold(key: str) -> bool:
+        start = hold.setdefault(key, time.monotonic()) if not hold or key in hold else None
+        return start is not None and time.monotonic() < start + 2.0
+
+    async def apply(event: Event) -> None:
+        if on_hold(event.key):
+            print(f"refused {event.key} {event.kind}: on hold")
+            raise OrderRejected(rejected_text(event))
+        print(f"applied {event.key} {event.kind} (event {event.seq})")
+
+    async def resolved(key: str) -> bool:
+        return not (key in hold and time.monotonic() < hold[key] + 2.0)
+
+    env.Event, env.OrderRejected, env.apply, env.resolved = Event, OrderRejected, apply, resolved
+
+
+# --- the grader ------------------------------------------------------------------------------
+
+
+def _faults(seed: int, number: int) -> list[Crash]:
+    """The first worker of partition 0 dies right after an apply, the first of partition 1 before one."""
+    if number > 1:
+        return []
+    call = rng(seed, f"crash{number}").randint(2, 4)
+    if number == 0:
+        point = f"right after env.apply recorded its event #{call}, before any ack"
+        return [Crash("apply", call, "after", point=point, counted="env.apply call", hint=_APPLY_HINT)]
+    point = f"on its env.apply call #{call}, before the event is applied"
+    return [Crash("apply", call, "before", point=point, counted="env.apply call", hint=_APPLY_HINT)]
+
+
+_APPLY_HINT = (
+    "apply every event your worker takes through env.apply, one call per event, while the process keeps running"
+)
+
+
+@dataclass
+class Measured:
+    """One backlog's run: the ledger's busy span (first apply's start to last apply's end), and its spread."""
+
+    span: float
+    done: bool
+    busiest: int  # events applied by the busiest worker
+
+
+@dataclass
+class Slot:
+    """One partition of one layout: the worker process that owns it now."""
+
+    partition: int
+    n: int
+    previous: int
+    child: Child | None = None
+    stopped: bool = False
+
+
+@dataclass
+class Shop:
+    """One run's world: the ledger, the publishers, the workers and what the grader published."""
+
+    run: Run
+    ledger: Ledger
+    watch: Any
+    spawns: HeldSpawns
+    publishers: list[Child] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
+    published: dict[tuple[str, int], float] = field(default_factory=dict)  # event -> when its publish returned
+    layout: dict[tuple[str, int], int] = field(default_factory=dict)  # event -> the n it was published with
+    failed_publishes: list[tuple[Event, str]] = field(default_factory=list)
+    poison: Event | None = None
+    resolved_at: float = 0.0
+    rejected: list[Any] = field(default_factory=list)  # effect events: the poison refused
+    assigned: dict[int, asyncio.Future[Slot]] = field(default_factory=dict)
+    offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # ledger clock -> wall clock
+
+    def __post_init__(self) -> None:
+        self.run.on("apply", self.on_apply)
+        self.run.on("resolved", self.on_resolved)
+        self.run.on("assignment", self.on_assignment)
+
+    # --- effects ---------------------------------------------------------------------------
+
+    async def on_apply(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        from msglab.grading.harness import Refuse
+
+        event = self.events.get((key or "", int(detail.get("seq", 0))))
+        if event is None:
+            raise Refuse("ValueError", f"no order event {key} #{detail.get('seq')} was ever published")
+        if event == self.poison and not self.resolved_at:
+            self.rejected.append(self.run.record_effect(child, "rejected", key, seq=event.seq))
+            raise Refuse("OrderRejected", rejected_text(event))
+        start = time.monotonic()
+        await asyncio.sleep(event.work * SCALE)
+        self.ledger.apply(event, str(child.pid), start=start)
+        self.run.record_effect(child, "apply", key, seq=event.seq, step=event.kind)
+
+    async def on_resolved(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> bool:
+        return not (self.poison is not None and key == self.poison.key and not self.resolved_at)
+
+    async def on_assignment(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> list[int]:
+        slot = await self.assigned.setdefault(child.pid, asyncio.get_running_loop().create_future())
+        return [slot.partition, slot.n, slot.previous]
+
+    @property
+    def events(self) -> dict[tuple[str, int], Event]:
+        return {(e.key, e.seq): e for e in self.ledger.expected}
+
+    # --- publishing and workers ------------------------------------------------------------
+
+    async def publish(self, events: list[Event], n: int, salt: str) -> None:
+        """Publish through the two publisher processes, CHUNK events a call, alternating as the seed says."""
+        self.ledger.expected += events
+        pick = rng(self.run.seed, f"publishers:{salt}")
+        for i in range(0, len(events), CHUNK):
+            chunk = events[i : i + CHUNK]
+            publisher = self.publishers[pick.randrange(2)]
+            reply = await publisher.call("publish", PHASE_DEADLINE, events=[asdict(e) for e in chunk], n=n)
+            now = time.time()
+            for e in chunk:
+                self.published[(e.key, e.seq)], self.layout[(e.key, e.seq)] = now, n
+            if not reply.ok:
+                self.failed_publishes.append((chunk[0], f"your publish {reply.describe()}"))
+
+    async def start(self, n: int, previous: int) -> list[Slot]:
+        """One worker process per partition of the n-partition layout, released at once."""
+        slots = [Slot(p, n, previous) for p in range(n)]
+        for slot in slots:
+            await self._release(slot)
+        self.slots += slots
+        return slots
+
+    async def _release(self, slot: Slot) -> None:
+        child = await self.spawns.release()
+        slot.child = child
+        if child is not None:
+            self.assigned.setdefault(child.pid, asyncio.get_running_loop().create_future()).set_result(slot)
+
+    async def tend(self) -> None:
+        """Restart the worker of every slot whose process ended (a crash, or its own death: rule 3 sees that)."""
+        while True:
+            for slot in self.slots:
+                if not slot.stopped and slot.child is not None and gone(slot.child):
+                    await self.spawns.stop(slot.child)
+                    await self._release(slot)
+            await asyncio.sleep(0.01)
+
+    async def stop(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            slot.stopped = True
+            if slot.child is not None:
+                await self.spawns.stop(slot.child)
+
+    def applied(self, keys: set[tuple[str, int]]) -> bool:
+        return keys <= {(a.key, a.seq) for a in self.ledger.log}
+
+    # --- evidence --------------------------------------------------------------------------
+
+    def wall(self, a: Applied, end: bool = True) -> float:
+        return (a.end if end else a.start) + self.offset
+
+    def trace(self, key: str) -> list[str]:
+        steps = Trace(self.run, TRACE_LINES)
+        for (k, seq), ts in self.published.items():
+            if k == key:
+                event = self.events[(k, seq)]
+                steps.add(ts, f"{event.kind} (event {seq}) published with n={self.layout[(k, seq)]}")
+        for a in self.ledger.log:
+            if a.key == key:
+                steps.add(self.wall(a), f"worker {a.worker} applied {a.kind} (event {a.seq})")
+        for e in self.rejected:
+            if e.key == key:
+                steps.add(e.ts, f"worker {e.pid}: env.apply refused event {e.detail['seq']} (OrderRejected)")
+        for crash in self.run.log.events("crash"):
+            if crash.key == key:
+                steps.add(crash.ts, f"worker {crash.pid} SIGKILLed by the grader ({crash.detail['when']} env.apply)")
+        if self.poison is not None and key == self.poison.key and self.resolved_at:
+            steps.add(self.resolved_at, f"the back office resolved {key}")
+        return steps.lines()
+
+
+async def grade(run: Run) -> list[Check]:
+    """Two partitions with two crashes, a rescale to three while publishing goes on, a poisoned order,
+    an idle gap and a late event, then the same backlog on one partition and on four."""
+    from nats.js.api import StreamConfig
+
+    from msglab.grading.observe import BrokerWatch
+
+    stream = run.names.stream(STREAM)
+    await run.js.add_stream(StreamConfig(name=stream, subjects=[run.names.subject(WILDCARD)]))
+    watch = await BrokerWatch(stream, "*").start(run.nc)
+    spawns = HeldSpawns(run, "worker", functools.partial(_faults, run.seed), MAX_WORKERS)
+    shop = Shop(run, Ledger(), watch, spawns)
+    phase = Phases(run)
+    # The publishers first: a file that does not import stops the run here, before any worker is started.
+    shop.publishers = list(await asyncio.gather(run.spawn("publisher"), run.spawn("publisher")))
+    spawns.prepare(5)
+    seed = run.seed
+    orders = workload(seed, orders=24, overlap=8)
+    cut = len(orders) * 5 // 8
+    burst = [replace(e, key="q" + e.key[1:]) for e in workload(seed + 1, orders=10, overlap=10)]
+    shop.poison = [e for e in burst if e.seq == 1][rng(seed, "poison").randrange(1, 4)]  # later events follow it
+    backlog = workload(seed + 2, orders=48, skew=4.0)  # one wholesale customer places most orders
+    tender = asyncio.ensure_future(shop.tend())
+    measured: dict[int, Measured] = {}
+    late = Event("o-late", 1, "created", "c-01", 0)
+    since = late_at = 0.0
+    drained_info: Any = None
+    started = time.monotonic()
+
+    async def wait(condition: Any, timeout: float) -> bool:
+        """run.wait_for within what is left of BUDGET (a file that stalls every phase still gets a verdict)."""
+        return await run.wait_for(condition, max(0.0, min(timeout, started + BUDGET - time.monotonic())))
+
+    try:
+        async with phase("two partitions"):
+            two = await shop.start(2, 0)
+            await shop.publish(orders[:cut], 2, "first")
+            crashed = [c for c in spawns.released[:2]]
+            await wait(
+                lambda: all(c.fired or gone(c) for c in crashed) and len(shop.ledger) >= cut // 3, PHASE_DEADLINE
+            )
+        async with phase("rescale"):
+            await shop.publish(orders[cut : cut + CHUNK], 3, "switch")
+            spawns.prepare(3)
+            three = await shop.start(3, 2)
+            await shop.publish(orders[cut + CHUNK :], 3, "rest")
+            everything = {(e.key, e.seq) for e in orders}
+            await wait(lambda: shop.applied(everything), PHASE_DEADLINE)
+        async with phase("poison"):
+            await shop.stop(two)
+            first_seq = (await run.js.stream_info(stream)).state.last_seq + 1
+            await shop.publish(burst, 3, "burst")
+            others = {(e.key, e.seq) for e in burst if e.key != shop.poison.key}
+            # The order's later events must have been dealt with (acked: parked, applied or set aside) before
+            # the back office resolves it, so that whatever the worker did with them shows.
+            poison = shop.poison
+            originals: dict[int, int] = {}  # the order's later events as published (not the copies a worker parks)
+            for q, e in await _stored(run, stream, first_seq):
+                if e.key == poison.key and e.seq > poison.seq:
+                    originals.setdefault(e.seq, q)
+            later = list(originals.values())
+
+            def settled() -> bool:
+                return all(any(a.stream_seq == s and a.kind in ("ack", "term") for a in watch.acks) for s in later)
+
+            await wait(lambda: shop.applied(others) and bool(shop.rejected) and settled(), POISON_WINDOW)
+            shop.resolved_at = time.time()
+            mine = {(e.key, e.seq) for e in burst if e.key == shop.poison.key}
+            await wait(lambda: shop.applied(mine), POISON_WINDOW)
+        async with phase("late event"):
+            await wait(functools.partial(_consumers_drained, run, stream), 2.0)
+            drained_info = await _undrained(run, stream)
+            since = max([a.ts for a in watch.acks] or [time.time()])
+            alive = [s.child for s in three if s.child is not None]
+            await wait(lambda: watch.refetched_after_idle(since) is not None, IDLE_DEADLINE)
+            late_at = time.time()
+            await shop.publish([late], 3, "late")
+            await wait(lambda: shop.applied({(late.key, late.seq)}) or all(map(gone, alive)), LATE_DEADLINE)
+        async with phase("throughput"):
+            await shop.stop(three)
+            for n in (1, 4):
+                events = [replace(e, key=f"t{n}" + e.key[1:]) for e in backlog]
+                await shop.publish(events, n, f"backlog{n}")
+                spawns.prepare(n)
+                slots = await shop.start(n, 0)
+                done = await wait(
+                    functools.partial(shop.applied, {(e.key, e.seq) for e in events}), THROUGHPUT_DEADLINE
+                )
+                mine_applied = [a for a in shop.ledger.log if a.key.startswith(f"t{n}-")]
+                span = max(a.end for a in mine_applied) - min(a.start for a in mine_applied) if mine_applied else 0.0
+                busiest = max(Counter(a.worker for a in mine_applied).values(), default=0)
+                measured[n] = Measured(span, done, busiest)
+                await shop.stop(slots)
+    finally:
+        tender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tender
+        await spawns.cancel()
+    await spawns.settle()
+    seqs = await _stream_seqs(run, stream)
+    late_pids = [int(a.worker) for a in shop.ledger.log if a.key == late.key]
+    current = next((c for c in (s.child for s in three) if c is not None and c.pid in late_pids), None)
+    current = current or next((s.child for s in three if s.child is not None and gone(s.child)), three[0].child)
+    proof = rules.IdleProof(
+        late.key, late_at, since, True, watch.refetched_after_idle(since), IDLE_DEADLINE, LATE_DEADLINE
+    )
+    words = rules.IdleWords(
+        "the running workers survive an idle stream and apply an event that arrives later",
+        "applied",
+        failures=("OrderRejected",),
+    )
+    if not late_at:
+        words.untested = "the run never reached its idle gap: an earlier phase did not finish"
+    spanning = {e.key for e in orders[:cut]} & {e.key for e in orders[cut:]}
+    return [
+        _order_check(shop, exclude=spanning | {shop.poison.key, late.key}),
+        _lost_check(shop, exclude={shop.poison.key, late.key}),
+        _duplicate_check(shop, spawns.ended, seqs),
+        _owner_check(shop),
+        _rescale_check(shop, spanning),
+        _parked_check(shop),
+        _flow_check(shop, burst),
+        _throughput_check(measured, len(backlog)),
+        _acked_check(drained_info),
+        rules.survives_idle(run.at, proof, current, late_pids, shop.trace(late.key), words),
+    ]
+
+
+async def _consumers_drained(run: Run, stream: str) -> bool:
+    return await _undrained(run, stream) is None
+
+
+async def _undrained(run: Run, stream: str) -> Any:
+    """The first consumer on the stream with something undelivered or unacked, or None."""
+    for info in await run.js.consumers_info(stream):
+        if not rules.drained(info):
+            return info
+    return None
+
+
+async def _stored(run: Run, stream: str, first: int = 1) -> list[tuple[int, Event]]:
+    """The events the stream holds from sequence `first` on (parked copies too): the stream's own record."""
+    found = []
+    last = (await run.js.stream_info(stream)).state.last_seq
+    for seq in range(first, last + 1):
+        try:
+            msg = await run.js.get_msg(stream, seq)
+            found.append((seq, Event.from_bytes(msg.data or b"")))
+        except Exception:  # a deleted message, or bytes that are no event: nothing to go by
+            continue
+    return found
+
+
+async def _stream_seqs(run: Run, stream: str) -> dict[tuple[str, int], list[int]]:
+    """Where each event is stored, for rule 6's allowance."""
+    seqs: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for seq, event in await _stored(run, stream):
+        seqs[(event.key, event.seq)].append(seq)
+    return seqs
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+def _out_of_order(shop: Shop, keys: set[str] | None = None) -> list[tuple[Applied, int]]:
+    """First applications of an event after a later event of its key: (the late one, the highest seq applied then)."""
+    highest: dict[str, int] = {}
+    seen: set[tuple[str, int]] = set()
+    found = []
+    for a in shop.ledger.log:
+        if (a.key, a.seq) in seen or (keys is not None and a.key not in keys):
+            continue
+        seen.add((a.key, a.seq))
+        if a.seq < highest.get(a.key, 0):
+            found.append((a, highest[a.key]))
+        highest[a.key] = max(highest.get(a.key, 0), a.seq)
+    return found
+
+
+def _order_message(shop: Shop, broken: list[tuple[Applied, int]]) -> str:
+    a, after = broken[0]
+    later = shop.events[(a.key, after)]
+    keys = sorted({b.key for b, _ in broken})
+    return (
+        f"{plural(len(broken), 'event')} of {plural(len(keys), 'order')} applied after a later event of the same"
+        f" order; first: {a.key}'s {a.kind} (event {a.seq}) applied by worker {a.worker} after its {later.kind}"
+        f" (event {after}): the order's state went backwards ({shop.ledger.report().wrong_final} orders of the run end"
+        " in the wrong final state)."
+    )
+
+
+def _order_check(shop: Shop, exclude: set[str]) -> Check:
+    title = "each order's events are applied in the order they were published, whatever crashed"
+    keys = {e.key for e in shop.ledger.expected} - exclude
+    broken = _out_of_order(shop, keys)
+    if not broken:
+        return Check("per_key_order", title, True)
+    late, after = broken[0]
+    later = next(x for x in shop.ledger.log if x.key == late.key and x.seq == after)
+    killed = {str(c.pid) for c in shop.run.log.events("crash")}
+    if any(c.key == late.key for c in shop.run.log.events("crash")):
+        hint = (
+            "the event the grader killed a worker on came back after ack_wait, and its order's next event had gone"
+            " ahead meanwhile: a partition needs one event in flight at a time (max_ack_pending=1 on its durable)"
+        )
+    elif later.worker != late.worker and later.worker not in killed:
+        hint = (
+            "two workers applied events of one order: one partition's events must go to one worker, in order (one"
+            " durable per partition, nothing else pulling from it)"
+        )
+    else:
+        hint = (
+            "every event of one order must reach the same partition (the same key, hashed the same way in every"
+            " publisher process) and each partition must be applied by one worker, one event at a time"
+        )
+    return Check(
+        "per_key_order", title, False, _order_message(shop, broken), trace=shop.trace(broken[0][0].key), hint=hint
+    )
+
+
+def _lost_check(shop: Shop, exclude: set[str]) -> Check:
+    title = "every published event is applied (none lost, whatever crashed)"
+    if shop.failed_publishes:
+        event, said = shop.failed_publishes[0]
+        return Check(
+            "none_lost", title, False,
+            f"publishing {event.key}'s {event.kind} failed: {said}. An event the publisher could not hand to the"
+            " stream is lost.",
+            hint="publish must hand each event to the stream (the lab's stream stores every subject under shop.)"
+            " and return once the stream confirmed it",
+        )  # fmt: skip
+    done = {(a.key, a.seq) for a in shop.ledger.log}
+    lost = [e for e in shop.ledger.expected if e.key not in exclude and (e.key, e.seq) not in done]
+    if not lost:
+        return Check("none_lost", title, True)
+    first = lost[0]
+    killed = [c for c in shop.run.log.events("crash") if c.key == first.key]
+    message = (
+        f"{plural(len(lost), 'event')} never applied; first: {first.key}'s {first.kind} (event {first.seq}),"
+        f" published with n={shop.layout.get((first.key, first.seq))}."
+    )
+    hint = "an event may leave the broker (be acked) only once env.apply returned for it"
+    if killed:
+        message += f" The grader killed worker {killed[0].pid} on it; it never came back to be applied."
+        hint = "ack an event only after env.apply returned: a worker killed before its ack must leave it to the broker"
+    return Check("none_lost", title, False, message, trace=shop.trace(first.key), hint=hint)
+
+
+def _duplicate_check(shop: Shop, ended: dict[int, float], seqs: dict[tuple[str, int], list[int]]) -> Check:
+    title = "an event is applied again only where a worker that applied it was killed before its ack (rule 6)"
+    effects: dict[tuple[str, int], list[Any]] = defaultdict(list)
+    for e in shop.run.log.events("effect", "apply"):
+        effects[(e.key or "", int(e.detail["seq"]))].append(e)
+    for key, applied in effects.items():
+        allowance = rules.allowance(ended, applied, shop.watch, seqs.get(key, []))
+        if len(applied) > allowance.allowed:
+            event = shop.events[key]
+            message = (
+                f"{event.key}'s {event.kind} (event {event.seq}) was applied {len(applied)} times, by workers"
+                f" {', '.join(sorted({str(a.pid) for a in applied}))}; a crash explains {allowance.allowed - 1} extra."
+            )
+            return Check(
+                "no_extra_duplicates", title, False, message, trace=shop.trace(event.key),
+                hint="ack each event once env.apply returned, within ack_wait, and let no two workers take the same"
+                " partition's events",
+            )  # fmt: skip
+    return Check("no_extra_duplicates", title, True)
+
+
+def _owner_check(shop: Shop) -> Check:
+    title = "no order is held by two workers at once (one owner per key, also while rescaling)"
+    spans: dict[str, list[Applied]] = defaultdict(list)
+    for a in shop.ledger.log:
+        spans[a.key].append(a)
+    for key, applies in spans.items():
+        applies.sort(key=lambda a: a.start)
+        for i, x in enumerate(applies):
+            y = next((y for y in applies[i + 1 :] if y.worker != x.worker and y.start < x.end), None)
+            if y is None:
+                continue
+            count = shop.ledger.overlaps()
+            message = (
+                f"{plural(count, 'order')} held by two workers at once; first: worker {y.worker} began applying"
+                f" {key}'s {y.kind} (event {y.seq}) while worker {x.worker} was still applying its {x.kind}"
+                f" (event {x.seq})."
+            )
+            hint = (
+                "a key's new owner may start only once its old owner has finished: after a rescale, hold the new"
+                " layout's events until the old partitions' events are all applied and acked"
+            )
+            return Check("one_owner_per_key", title, False, message, trace=shop.trace(key), hint=hint)
+    return Check("one_owner_per_key", title, True)
+
+
+def _rescale_check(shop: Shop, spanning: set[str]) -> Check:
+    title = "orders published on both sides of the rescale keep their order (their old events are applied first)"
+    broken = _out_of_order(shop, spanning)
+    if not broken:
+        return Check("order_kept_during_rescale", title, True)
+    a = broken[0][0]
+    old = [e for e in shop.ledger.expected if e.key == a.key and shop.layout.get((e.key, e.seq)) == 2]
+    message = (
+        _order_message(shop, broken)
+        + f" {a.key} had {plural(len(old), 'event')} published with n=2 before the publishers switched to n=3;"
+        " its event published with n=3 was applied first."
+    )
+    hint = (
+        "the publishers did not pause: when the layout changes, a key's newer events may sit in another partition"
+        " than its older ones. The new layout's workers must wait until the old partitions' events are applied"
+        " and acked before they apply anything"
+    )
+    return Check("order_kept_during_rescale", title, False, message, trace=shop.trace(a.key), hint=hint)
+
+
+def _parked_check(shop: Shop) -> Check:
+    title = "a refused order is parked: its events are applied in order once it is resolved"
+    poison = shop.poison
+    assert poison is not None
+    mine = [a for a in shop.ledger.log if a.key == poison.key]
+    events = [e for e in shop.ledger.expected if e.key == poison.key]
+    if not shop.rejected:
+        return Check(
+            "parked_key_resumes_in_order", title, False,
+            f"{poison.key}'s {poison.kind} was never given to env.apply, so the order on hold was never met.",
+            trace=shop.trace(poison.key), hint="apply every event of your partition through env.apply",
+        )  # fmt: skip
+    early = [a for a in mine if a.seq > poison.seq and shop.wall(a) < shop.resolved_at]
+    if early:
+        a = early[0]
+        message = (
+            f"env.apply refused {poison.key}'s {poison.kind} (event {poison.seq}) at"
+            f" {shop.run.at(shop.rejected[0].ts)}; worker {a.worker} applied its {a.kind} (event {a.seq}) at"
+            f" {shop.run.at(shop.wall(a))}, before the back office resolved the order: a later event overtook the"
+            " refused one."
+        )
+        hint = (
+            "a dead-letter queue takes the refused event out of the way, and the order's next events then run"
+            " without it. Park the key instead: its later events wait (in order) until it is resolved"
+        )
+        return Check("parked_key_resumes_in_order", title, False, message, trace=shop.trace(poison.key), hint=hint)
+    broken = _out_of_order(shop, {poison.key})
+    applied = {a.seq for a in mine}
+    missing = [e for e in events if e.seq not in applied]
+    if not broken and not missing:
+        return Check("parked_key_resumes_in_order", title, True)
+    if broken:
+        message = _order_message(shop, broken) + " Replay a parked order's events in the order they arrived."
+    else:
+        message = (
+            f"the back office resolved {poison.key} at {shop.run.at(shop.resolved_at)}, but"
+            f" {plural(len(missing), 'of its events')} never applied within {POISON_WINDOW:.0f} s: first its"
+            f" {missing[0].kind} (event {missing[0].seq})."
+        )
+    hint = (
+        "once env.resolved(key) says so, apply the parked order's events, the refused one first, in the order they"
+        " arrived, and keep each one until it is applied"
+    )
+    return Check("parked_key_resumes_in_order", title, False, message, trace=shop.trace(poison.key), hint=hint)
+
+
+def _flow_check(shop: Shop, burst: list[Event]) -> Check:
+    title = "while one order is parked, every other order's events keep flowing (its partition too)"
+    poison = shop.poison
+    assert poison is not None
+    if not shop.rejected:
+        return Check(
+            "other_keys_flow_while_parked", title, False,
+            f"could not be tested: {poison.key}'s {poison.kind} never reached env.apply.",
+            hint="make parked_key_resumes_in_order pass first",
+        )  # fmt: skip
+    waiting = [
+        e for e in burst
+        if e.key != poison.key and not any(a.key == e.key and a.seq == e.seq and shop.wall(a) <= shop.resolved_at
+                                           for a in shop.ledger.log)
+    ]  # fmt: skip
+    if not waiting:
+        return Check("other_keys_flow_while_parked", title, True)
+    first = waiting[0]
+    message = (
+        f"env.apply refused {poison.key}'s {poison.kind} at {shop.run.at(shop.rejected[0].ts)}; for"
+        f" {shop.resolved_at - shop.rejected[0].ts:.1f} s until the back office resolved it,"
+        f" {plural(len(waiting), 'event')} of other orders waited unapplied (first: {first.key}'s {first.kind}), and"
+        f" env.apply refused {poison.key} {plural(len(shop.rejected), 'time')}."
+    )
+    hint = (
+        "retrying the refused event holds up every order behind it in its partition (head-of-line blocking): set"
+        " the order aside, ack what you parked, and go on with the next event"
+    )
+    return Check("other_keys_flow_while_parked", title, False, message, trace=shop.trace(first.key), hint=hint)
+
+
+def _throughput_check(measured: dict[int, Measured], count: int) -> Check:
+    title = "the same backlog is applied faster on 4 partitions than on 1 (spread over them, applied in parallel)"
+    check = "throughput_grows_with_partitions"
+    if len(measured) < 2 or not all(m.done for m in measured.values()):
+        which = [n for n, m in measured.items() if not m.done]
+        never = "the throughput phase was never reached."
+        message = "could not be measured: " + (
+            f"the backlog of n={which[0]} was not applied within {THROUGHPUT_DEADLINE:.0f} s." if which else never
+        )
+        hint = "make the other checks pass first: this one needs every backlog applied"
+        return Check(check, title, False, message, hint=hint)
+    one, four = measured[1], measured[4]
+    ratio = one.span / four.span if four.span > 0 else 0.0
+    if four.busiest * SPREAD > count:
+        message = (
+            f"on 4 partitions one worker applied {four.busiest} of the {count} events ({four.busiest / count:.0%}):"
+            f" the backlog took {four.span:.2f} s there and {one.span:.2f} s on 1 partition ({ratio:.2f} times"
+            f" faster). One partition holds most of the work (a hot partition); the bound is {1 / SPREAD:.0%}."
+        )
+        hint = (
+            "the key decides the spread: most of these orders come from one wholesale customer, so a key per"
+            " customer puts them all in one partition. Per-order order needs no more than the order id"
+        )
+        return Check(check, title, False, message, hint=hint)
+    if ratio >= RATIO:
+        return Check(check, title, True)
+    message = (
+        f"{count} events took {one.span:.2f} s to apply on 1 partition and {four.span:.2f} s on 4: {ratio:.2f} times"
+        f" faster, less than {RATIO:.1f} (a lower bound; parallel partitions reach 2 to 3.7 here), though the busiest"
+        f" worker had only {four.busiest} of them."
+    )
+    hint = (
+        "four partitions help only if their workers apply at the same time: nothing may serialise all partitions"
+        " (one durable shared by every worker with one event in flight, or a lock across them)"
+    )
+    return Check(check, title, False, message, hint=hint)
+
+
+def _acked_check(info: Any) -> Check:
+    if info is None:
+        return Check(rules.ALL_ACKED, "every event ends acked on its durable (nothing stuck)", True)
+    return rules.drained_check(
+        info, info.name, float(info.config.ack_wait or 0), noun="event",
+        hint="ack every event once it is applied (or parked), on the durable it came from",
+    )  # fmt: skip
