@@ -1,0 +1,123 @@
+"""Lab 06's grader on what no variant's verdict shows: the throughput judgement's two ratios, the
+ledger's final state after a late duplicate, what the learner's permissions allow on the lab's
+stream (its own durables, never the stream), and the lab notebook's order on hold, by hand.
+(What each variant's verdict must say is its `Says:` lines, graded in tests/test_variants.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from msglab.graders import partition_keys
+from msglab.graders.partition_keys import RATIO, SPREAD, Measured, _throughput_check
+from msglab.world import order_events as oe
+
+
+def test_throughput_is_judged_on_the_busiest_workers_share_and_the_speed_up_never_a_time() -> None:
+    events = 144
+    fair = max(1, int(events / SPREAD) - 1)  # just under the bound
+    parallel = {1: Measured(2.4, True, events), 4: Measured(2.4 / (RATIO + 0.1), True, fair)}
+    assert _throughput_check(parallel, events).passed
+    # The same spans, ten times slower (a loaded machine): the same verdict.
+    slow = {n: Measured(m.span * 10, True, m.busiest) for n, m in parallel.items()}
+    assert _throughput_check(slow, events).passed
+    hot = {1: Measured(2.4, True, events), 4: Measured(0.8, True, int(events / SPREAD) + 1)}
+    check = _throughput_check(hot, events)
+    assert not check.passed and "hot partition" in check.message, check.message
+    serial = {1: Measured(2.4, True, events), 4: Measured(2.4 / (RATIO - 0.1), True, events // 4)}
+    check = _throughput_check(serial, events)
+    assert not check.passed and "serialise" in check.hint, check.hint
+    unfinished = {1: Measured(6.0, False, 100)}
+    check = _throughput_check(unfinished, events)
+    assert not check.passed and check.message.startswith("could not be measured"), check.message
+
+
+def test_a_late_duplicate_sets_the_order_back_in_the_ledger() -> None:
+    created, paid, shipped = (oe.Event("o-1", s, k, "c") for s, k in enumerate(("created", "paid", "shipped"), 1))
+    ledger = oe.Ledger([created, paid, shipped])
+    for event in (created, paid, shipped, created):  # a stalled worker's "created", applied again at the end
+        ledger.apply(event, "w")
+    report = ledger.report()
+    assert (report.violations, report.duplicates, report.wrong_final) == (0, 1, 1)
+
+
+def test_the_learner_creates_its_own_durables_and_publishes_under_shop_but_never_changes_the_stream(
+    tmp_path: Path,
+) -> None:
+    import nats
+    from nats.js.api import ConsumerConfig, StreamConfig
+
+    from msglab.broker.server import EmbeddedServer
+    from msglab.broker.users import LEARNER_INBOX, RunUsers
+
+    users = RunUsers(grader=partition_keys)  # the permissions a grading run of lab 06 gives the learner
+    config = tmp_path / "server.conf"
+    config.write_text(users.config())
+
+    async def attempts(grader_url: str, learner_url: str) -> tuple[list[str], list[str]]:
+        grader = await nats.connect(grader_url)
+        await grader.jetstream().add_stream(StreamConfig(name="SHOP_EVENTS", subjects=["shop.>"]))
+        learner = await nats.connect(learner_url, inbox_prefix=LEARNER_INBOX)
+        js = learner.jetstream()
+        done: list[str] = []
+        await js.publish("shop.2.1.o-1", oe.Event("o-1", 1, "created", "c").to_bytes())
+        done.append("published")
+        await js.add_consumer(
+            "SHOP_EVENTS", ConsumerConfig(name="n2p1", durable_name="n2p1", filter_subject="shop.2.1.*")
+        )
+        sub = await js.pull_subscribe_bind("n2p1", "SHOP_EVENTS")
+        [msg] = await sub.fetch(1, timeout=2)
+        await msg.ack_sync()
+        done.append("own durable: fetched and acked")
+        refused: list[str] = []
+        stream = StreamConfig(name="SHOP_EVENTS", subjects=["shop.>", "other.>"])
+        for attempt in (
+            js.update_stream(stream),
+            js.delete_consumer("SHOP_EVENTS", "n2p1"),
+            js.purge_stream("SHOP_EVENTS"),
+        ):
+            try:
+                await attempt
+            except Exception as exc:  # the server's permission refusal times the request out
+                refused.append(type(exc).__name__)
+        await learner.close()
+        await grader.close()
+        return done, refused
+
+    with EmbeddedServer(config=str(config)) as server:
+        done, refused = asyncio.run(attempts(users.grader_url(server.url), users.learner_url(server.url)))
+    assert done == ["published", "own durable: fetched and acked"]
+    assert len(refused) == 3, refused
+
+
+def test_the_playground_refuses_the_first_order_for_a_while_and_the_solution_parks_it(no_nats_url: None) -> None:
+    import msglab
+
+    async def by_hand() -> list[str]:
+        made, lab = await msglab.playground("06", solution=True)
+        env: Any = made
+        applied: list[str] = []
+        apply = env.apply
+
+        async def recording(event: Any) -> None:
+            await apply(event)
+            applied.append(f"{event.key} {event.seq}")
+
+        env.apply = recording
+        try:
+            events = oe.workload(seed=6, orders=4)
+            for event in events:
+                await lab.publish(env, event, 2)
+            workers = asyncio.gather(*(lab.worker(env, p, 2, 0) for p in range(2)))
+            with contextlib.suppress(TimeoutError):  # workers run until stopped: here 2 s past the 2 s hold
+                await asyncio.wait_for(workers, timeout=4.0)
+            return applied
+        finally:
+            await msglab.playground_close(env)
+
+    applied = asyncio.run(by_hand())
+    assert len(applied) == 12, applied  # 4 orders of 3 events, each applied once
+    held = applied[-1].split()[0]  # the order on hold: everyone else went first, then its events in order
+    assert applied[-3:] == [f"{held} 1", f"{held} 2", f"{held} 3"], applied
