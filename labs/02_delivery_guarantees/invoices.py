@@ -48,6 +48,7 @@ async def invoice_worker(env) -> None:
             # TODO: No invoice may be lost, whichever line the process is killed on.
             # TODO: The billing dashboard must never count a request the broker could still redeliver.
             # TODO: When the invoicing service fails, read its error: a request it can take later must come back until it is invoiced.
+            # TODO: While the service is restarting, give a request it cannot take now time before its next try: no hot loop.
             # TODO: A request it will never take must be reported to the billing team, and must then stop coming back.
             await msg.ack()  # ack first, so a slow invoice is never delivered twice
             await env.send_invoice(order_id)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -80,6 +81,8 @@ TRANSIENT = 2  # of those published with the last incarnation: unavailable for a
 REFUSED = 1  # ...: refused for good (the customer's account is closed)
 OUTAGE = (1.05, 1.15)  # seconds a transient request stays unavailable after its first attempt: over a
 # second (rule 5); with redelivery every ack_wait its 3rd try (~0.8 s) still fails, its 4th (~1.2 s) succeeds
+MIN_RETRY_GAP = 0.1  # seconds: the least a request the service cannot take now waits before its next try; the
+# lesson's immediate nak() came back in under a millisecond, hundreds of tries a second at a restarting service
 UNAVAILABLE_TRIES = 3  # ... and it fails at least its first three tries: on a loaded machine, where the 3rd
 # try may come after the outage, a budget of three tries (max_deliver=3) must still lose it
 KINDS = {  # crash kind -> (counted point, moment), as nemesis plans name them
@@ -555,6 +558,7 @@ async def grade(run: Run) -> list[Check]:
         _duplicate_check(lab),
         _settled_check(lab),
         _refused_check(lab),
+        _spaced_check(lab),
         _acked_check(lab, info),
         rules.survives_idle(run.at, proof, current, handled_by, lab.trace(late), IDLE_WORDS),
         _guarantees_check(lab),
@@ -850,6 +854,34 @@ def _refused_check(lab: Billing) -> Check:
             continue
         return Check("refused_requests_reported", title, False, message, trace=lab.trace(key), hint=hint)
     return Check("refused_requests_reported", title, True)
+
+
+def _spaced_check(lab: Billing) -> Check:
+    """No hot loop: a try the service answered with ServiceUnavailable is followed by the next one no sooner than
+    MIN_RETRY_GAP. The grader records a try when it answers it, before the worker can nak or wait: load only
+    widens the gaps it sees (rule 8)."""
+    title = f"a request the service cannot take now is tried again no sooner than {MIN_RETRY_GAP:.1f} s later"
+    worst: tuple[int, str, list[float], float] | None = None  # (tries, key, quick gaps, span)
+    for key in lab.keys("transient"):
+        tries = lab.calls("send_invoice", key)
+        gaps = [b.ts - a.ts for a, b in itertools.pairwise(tries) if a.detail.get("outcome") == "unavailable"]
+        quick = [g for g in gaps if g < MIN_RETRY_GAP]
+        if quick and (worst is None or len(tries) > worst[0]):
+            worst = (len(tries), key, quick, tries[-1].ts - tries[0].ts)
+    if worst is None:
+        return Check("retries_spaced", title, True)
+    count, key, quick, span = worst
+    message = (
+        f"{key} was tried {count} times in {span:.2f} s while the invoicing service was restarting (it answered"
+        f" '{_unavailable_text(key)}'); {len(quick)} of those tries came less than {MIN_RETRY_GAP:.1f} s after the"
+        f" refusal before them, the quickest {min(quick) * 1000:.1f} ms after it. A hot loop of retries keeps a"
+        " restarting service busy answering 'not now'."
+    )
+    hint = (
+        f"give a request the service cannot take now some time before its next try (at least {MIN_RETRY_GAP:.1f} s"
+        " here): a redelivery after a delay, or after ack_wait, instead of one right away"
+    )
+    return Check("retries_spaced", title, False, message, trace=lab.trace(key), hint=hint)
 
 
 def _acked_check(lab: Billing, info: Any) -> Check:

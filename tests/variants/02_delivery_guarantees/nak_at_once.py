@@ -1,7 +1,10 @@
-"""Also right (if impolite to the invoicing service): a request the service cannot take now is
-nak'ed without a delay, so it is tried again at once, many times a second, until it goes through.
+"""Wrong variant: a request the service cannot take now is nak'ed without a delay, so it comes back
+at once and is tried again, many times a second, while the service is restarting: a hot loop
+that keeps a restarting service busy answering 'not now'.
 
-Expect: pass
+Expect: fail retries_spaced
+Says: hot loop
+Says: instead of one right away
 """
 
 import json
