@@ -15,7 +15,7 @@ lab.toml overrides one only where the lab needs its own words.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -257,14 +257,29 @@ def held_and_lost(ended: dict[int, float], evidence: Iterable[Any], settled_befo
     ]
 
 
-def allowance(ended: dict[int, float], effects: Iterable[Any], watch: BrokerWatch, seqs: Iterable[int]) -> Allowance:
-    """Rule 6 for one message (its stream sequences `seqs`): see Allowance."""
+def allowance(
+    ended: dict[int, float],
+    effects: Iterable[Any],
+    watch: BrokerWatch,
+    seqs: Iterable[int],
+    moved_on: Callable[[int, float], bool] | None = None,
+) -> Allowance:
+    """Rule 6 for one message (its stream sequences `seqs`): see Allowance.
+
+    `moved_on(pid, ts)`, if given, is true when that process went on to later work after its last
+    effect on this message (at `ts`), e.g. to a message that did not exist yet then: it was no longer
+    working on this one, so its end excuses nothing (an ack it held back is no crash's fault).
+    """
     seqs = list(seqs)
+    effects = list(effects)
 
     def settled_before(ts: float) -> bool:
         return any(a.stream_seq in seqs and a.kind in ("ack", "term") and a.ts <= ts for a in watch.acks)
 
     held = held_and_lost(ended, effects, settled_before)
+    if moved_on is not None:
+        last = {pid: max(e.ts for e in effects if e.pid == pid and e.ts <= ended[pid]) for pid in held}
+        held = [pid for pid in held if not moved_on(pid, last[pid])]
     acks = [a for a in watch.acks if a.stream_seq in seqs]
     deliveries = max(a.delivered for a in acks) if acks else None
     allowed = 1 + len(held) if deliveries is None else max(1, min(1 + len(held), deliveries))
