@@ -68,6 +68,14 @@ def test_solution_passes_and_every_planned_event_happened(no_nats_url: None, evi
     assert any(f"searched the gateway for charges of it: {charge.charge_id}" in s for s in steps[moved:]), steps
     # and a payment credited earlier never reaches the gateway again when its copy comes a day later
     assert len(ev.requests[ev.plan.day_later]) == 1
+    # A payment charged by a killed worker, its message removed, comes back as a new message after the
+    # window: the copy's worker found the charge by the search and credited it, without charging again.
+    resent = ev.plan.copy_later
+    (charge,) = ev.charges[resent]
+    (copy,) = [p for p in ev.lab.published if p.payment_id == resent and p.label == "resent"]
+    assert copy.ts > ev.lab.advanced_at and ev.lab.removed == {s for s in ev.seqs(resent) if s != copy.seq}
+    assert ev.ledger[resent] == 1 and len(ev.requests[resent]) == 1
+    assert any(f"searched the gateway for charges of it: {charge.charge_id}" in s for s in ev.traces[resent])
 
 
 def test_starter_fails_with_the_double_charge_story(no_nats_url: None) -> None:
@@ -98,6 +106,25 @@ def test_a_redelivery_after_the_key_window_is_caught_and_named(no_nats_url: None
     moved = next(i for i, s in enumerate(steps) if "clock moved 25 h" in s)
     killed = next(i for i, s in enumerate(steps) if "killed after the gateway charged it" in s)
     assert killed < moved < max(i for i, s in enumerate(steps) if "asked the gateway to charge it" in s)
+
+
+def test_a_copy_after_the_key_window_must_be_searched_like_a_redelivery(
+    no_nats_url: None, evidence: dict[str, Any]
+) -> None:
+    # The search asked only on a redelivery: every redelivery is safe, the checkout's copy is not.
+    verdict = grade("03", source=VARIANTS / "search_only_redelivered.py", seed=5)
+    assert [c.name for c in verdict.failures] == ["charged_once"], verdict.to_text()
+    ev = evidence["ev"]
+    resent = ev.plan.copy_later
+    assert f"more than once: {resent} was charged 2 times" in verdict.failures[0].message
+    first, second = ev.charges[resent]
+    assert second.created - first.created > KEY_WINDOW  # on the gateway's own clock
+    (copy,) = [p for p in ev.lab.published if p.payment_id == resent and p.label == "resent"]
+    assert [a.delivered for a in ev.lab.watch.of(copy.seq) if a.kind == "ack"] == [1]  # a first delivery
+    # its first message, removed after the kill, was delivered once and never again
+    (removed,) = ev.lab.removed
+    made = [r.split(".") for r in ev.lab.watch.deliveries]  # $JS.ACK.<stream>.<durable>.<delivered>.<sseq>...
+    assert [int(t[4]) for t in made if len(t) == 9 and int(t[5]) == removed] == [1]
 
 
 def test_the_race_is_decided_only_by_the_uniqueness_guarantee(no_nats_url: None, evidence: dict[str, Any]) -> None:

@@ -47,7 +47,7 @@ async def handle_payment(env, msg) -> None:
     # TODO: Send every charge request for one payment under the same idempotency key, whichever delivery or copy sends it.
     key = uuid.uuid4().hex
     # TODO: Make sure a payment you have already credited never reaches the gateway again, even after its key window.
-    # TODO: Make sure a delivery that follows one killed between the charge and the credit does not charge again, even after the key window.
+    # TODO: Make sure a delivery that follows one killed between the charge and the credit does not charge again, even after the key window, be it a redelivery or a copy.
     charge = await env.charge(payment, idempotency_key=key)
     # TODO: Credit each payment exactly once, so that a kill at any point leaves its credit and your record of it both written or both missing.
     credit(env.db, payment, charge["charge_id"])

@@ -2,16 +2,17 @@
 
 Workload (seeded): the course's payment gateway (msglab.world.gateway: keys kept 24 h, search that
 lags a minute behind, its own store), served from the grader's process and reached over NATS, and
-six worker processes running the learner's `payment_worker` on the durable 'payments'. Every
+seven worker processes running the learner's `payment_worker` on the durable 'payments'. Every
 worker starts held (msglab.grading.scaffold.HeldSpawns); the grader releases them one at a time, so
 each planned crash meets the payment the grader gave that worker, whatever the learner's fetch size:
 
-1. four one-shot workers, each handed one fresh payment and SIGKILLed at one point of the
-   handler: before the gateway call; after the gateway charged (the answer never arrives); right
-   after its first database commit; and after the gateway charged, for the payment whose
-   redelivery comes after the gateway's key window. ack_wait is 1.1 s, so every redelivery comes
-   more than a second after the delivery it replaces (a key made from the clock or the attempt
-   changes in between);
+1. five one-shot workers, each handed one fresh payment and SIGKILLed at one point of the
+   handler: after the gateway charged, for a payment whose message the grader then removes from
+   the stream (its next message is the checkout's copy, after the key window); before the gateway
+   call; after the gateway charged (the answer never arrives); right after its first database
+   commit; and after the gateway charged, for the payment whose redelivery comes after the
+   gateway's key window. ack_wait is 1.1 s, so every redelivery comes more than a second after the
+   delivery it replaces (a key made from the clock or the attempt changes in between);
 2. two long-running workers take over. One payment is published twice at once (the checkout's
    retry): each worker takes a copy, and the first to reach its first database write for it is
    held there until the other reaches its own, then both go on together (the same place for
@@ -22,7 +23,10 @@ each planned crash meets the payment the grader gave that worker, whatever the l
    `survives_idle`);
 4. the crashed payments are redelivered. Before the redelivery of the last one reaches the
    gateway, the gateway's test clock moves 25 h forward (a day passes): its key is forgotten.
-   Then one payment the shop credited earlier is published again (a copy, a day later).
+   Then one payment the shop credited earlier is published again (a copy, a day later), and so is
+   the payment whose message was removed: charged a day before, never recorded, and now a new
+   message on its first delivery, so a worker that asks the search only on a redelivery (or only
+   for a message it saw before) charges it again.
 
 Invariants judged on the gateway's store, the learner's ledger (read from its database file after
 the run), the broker and the grader's own records of effect calls, never on printed text: no
@@ -78,7 +82,7 @@ SEARCH_LAG = gw.DEFAULT_SEARCH_LAG  # a charge shows up in the gateway's search 
 CLOCK_JUMP = 25 * 3600.0  # how far the gateway's test clock moves: past the key window
 PAYMENTS = 10
 ACCOUNTS = 3
-PLAIN = 4  # payments with nothing done to them (one of them is published again a day later)
+PLAIN = 3  # payments with nothing done to them (one of them is published again a day later)
 STEP_WAIT = 3.0  # the longest a one-shot worker gets to reach its planned crash
 RACE_WAIT = 3.0  # the longest the first raced worker is held waiting for the second
 SETTLE_WAIT = 5.0  # the longest the grader waits for a phase's messages to be handled
@@ -103,7 +107,15 @@ def _kill(effect: str, when: str, point: str, counted: str, hint: str) -> Crash:
 
 
 # The one-shot workers, in the order they run: what each is planned to meet (its trace's words).
+# The first one's message is removed from the stream after its kill, so nothing redelivers it: its
+# payment next comes as the checkout's copy, a new message, after the key window. It runs first so
+# the other four keep their redeliveries as close to their kills as before.
 POINTS: dict[str, tuple[Crash, str]] = {
+    "copy_later": (
+        _kill("charge", "after", "right after the gateway charged its first payment", "env.charge call", _CHARGED),
+        "killed after the gateway charged it, before the answer arrived (its message is removed; a copy comes a "
+        "day later)",
+    ),
     "before_charge": (
         _kill("charge", "before", "before its first env.charge call", "env.charge call", _CHARGED),
         "killed before the gateway call",
@@ -339,6 +351,11 @@ class _Plan:
         return next((point for point, p in self.crashed if p == pid), None)
 
     @property
+    def copy_later(self) -> str:
+        """The payment charged by a killed worker whose message is removed: a copy comes after the key window."""
+        return dict(self.crashed)["copy_later"]
+
+    @property
     def ids(self) -> list[str]:
         return [p["payment_id"] for p in self.payments]
 
@@ -368,7 +385,7 @@ def draw_plan(seed: int) -> _Plan:
 class _Published:
     seq: int
     payment_id: str
-    label: str  # "first", "copy" (published twice at once), "day_later", "late"
+    label: str  # "first", "copy" (published twice at once), "day_later", "resent", "late"
     ts: float
 
 
@@ -403,13 +420,14 @@ class _Lab:
         self.plan = plan
         self.gateway = gateway
         self.watch = watch
-        # Four one-shot workers (one planned crash each), then two long-running ones, all started before
+        # Five one-shot workers (one planned crash each), then two long-running ones, all started before
         # anything is published and released one by one.
         crashes = [crash for crash, _ in POINTS.values()]
         self.spawns = HeldSpawns(
             run, "payment_worker", lambda n: crashes[n : n + 1], len(crashes) + 2, params={"db_path": db_path}
         )
         self.published: list[_Published] = []
+        self.removed: set[int] = set()  # stream sequences the grader removed from the stream (nothing delivers them)
         self.current: dict[int, str] = {}  # worker pid -> payment of its latest gateway call
         self.handed: dict[int, str] = {}  # one-shot worker pid -> the payment it was given
         self.race = _Race()
@@ -549,7 +567,7 @@ class _Lab:
                 return
             # The payments crashed inside the window get their redelivery inside it. Nothing else is waited
             # for: the race or the plain payments may go on across the jump (a correct worker does not care).
-            inside = {pid for point, pid in self.plan.crashed if point != "key_expired"}
+            inside = {pid for point, pid in self.plan.crashed if point not in ("key_expired", "copy_later")}
             waiting = [p.seq for p in self.published if p.payment_id in inside]
             await self.run.wait_for(lambda: self.settled(waiting), SETTLE_WAIT)
             await self.gateway.advance(self.run.nc, seconds=CLOCK_JUMP)
@@ -565,6 +583,8 @@ class _Lab:
             "first": "published",
             "copy": "published again at once, as a second message (the checkout retried)",
             "day_later": "published again, as a new message, after the gateway's clock moved (a day later)",
+            "resent": "published again, as a new message, after the gateway's clock moved: the checkout never saw "
+            "it confirmed (a day later)",
             "late": "published after the queue had been idle",
         }[label]
         self.step(pid, f"{said}: stream seq {sent.seq}", sent.ts)
@@ -581,9 +601,22 @@ class _Lab:
         if self.steady and not self.workers_alive():
             return True
         return all(
-            self.watch.acked(seq) or any(a.kind == "term" for a in self.watch.of(seq)) or self.stuck(seq)
+            seq in self.removed
+            or self.watch.acked(seq)
+            or any(a.kind == "term" for a in self.watch.of(seq))
+            or self.stuck(seq)
             for seq in seqs
         )
+
+    async def remove(self, sent: _Published) -> None:
+        """Take a message out of the stream: nothing delivers it again (as a stream's limits or an operator would)."""
+        try:
+            await self.run.js.delete_msg(self.run.names.stream(STREAM), sent.seq)
+        except Exception as exc:  # the course's broker refused: never the learner's fault
+            self.problems.append(f"the grader could not remove stream seq {sent.seq}: {exc!r}")
+            return
+        self.removed.add(sent.seq)
+        self.step(sent.payment_id, f"stream seq {sent.seq} removed from the stream: nothing will deliver it again")
 
 
 async def grade(run: Run) -> list[Check]:
@@ -653,13 +686,16 @@ async def _play(lab: _Lab) -> None:
     lab.spawns.prepare(lab.spawns.limit)
     await asyncio.gather(*lab.spawns.waiting)
     async with phase("one-shot workers"):  # one at a time: each takes the payment published for it and crashes
-        for _point, pid in plan.crashed:
+        for point, pid in plan.crashed:
             worker = await lab.spawns.release()
             assert worker is not None
             lab.handed[worker.pid] = pid
-            await lab.publish(pid, "first")
+            sent = await lab.publish(pid, "first")
             await wait(lambda w=worker: not w.alive, STEP_WAIT)
             await lab.spawns.stop(worker)  # if its planned crash did not happen, faults_fired says so
+            if point == "copy_later" and worker.fired:
+                # Charged, never recorded, and now never redelivered: only the checkout's copy comes back.
+                await lab.remove(sent)
     async with phase("the race"):  # the long-running workers: one payment published twice at once
         released = time.time()
         pair = [await lab.spawns.release() for _ in range(2)]
@@ -697,6 +733,7 @@ async def _play(lab: _Lab) -> None:
     async with phase("a day later"):  # the gateway's clock moves 25 h before the last crashed payment reaches it
         await lab.advance_when_settled()
         await lab.publish(plan.day_later, "day_later")
+        await lab.publish(plan.copy_later, "resent")
         await wait(lambda: lab.settled(p.seq for p in lab.published), SETTLE_WAIT + ACK_WAIT)
 
 
@@ -780,12 +817,25 @@ class _Evidence:
                 "broker delivered it again",
                 "key_expired": "its first worker was killed right after the gateway charged it, before anything was "
                 "recorded, and its redelivery reached the gateway after the gateway's clock had moved 25 h",
+                "copy_later": "its first worker was killed right after the gateway charged it, before anything was "
+                "recorded; that message was removed from the stream, and a day later (the gateway's clock had moved "
+                "25 h) the checkout published the payment again as a new message, delivered for the first time",
             }[point]
         if pid == self.plan.race:
             return "the checkout published it twice at once and two workers held it at the same time"
         if pid == self.plan.day_later:
             return "the checkout published it again a day later (the gateway's clock had moved 25 h)"
         return ""
+
+    def searched_first(self, pid: str) -> bool | None:
+        """Whether the worker that charged this payment the second time had asked the search first (None: unknown)."""
+        calls = [c for c in self.lab.calls if c.payment_id == pid and c.outcome == "charged"]
+        if len(calls) < 2:
+            return None
+        second = calls[1]
+        return any(
+            f"worker {second.pid} searched" in text for ts, text in self.lab.steps.get(pid, []) if ts <= second.ts
+        )
 
     def trace(self, pid: str, *more: str) -> list[str]:
         return [*self.traces.get(pid, []), *more]
@@ -873,6 +923,17 @@ def _charged_once_check(ev: _Evidence) -> Check:
             hint = (
                 "look in your own records before the gateway call: a payment you have already credited must never "
                 "reach the gateway again, whatever the gateway still remembers"
+            )
+        elif pid == ev.plan.copy_later and ev.searched_first(pid) is False:
+            message += (
+                f"\nThe copy was a new message on its first delivery, and your worker charged it without asking the "
+                f"gateway's search: nothing in your records showed {pid} credited, yet an earlier message of the same "
+                "payment had been charged."
+            )
+            hint = (
+                "a first delivery can follow a charge too: a copy of a payment is a new message, whose delivery count "
+                "and stream sequence know nothing of the earlier one. Whenever your records do not show the payment "
+                "credited, ask the gateway's search what it already charged for it, not only on a redelivery"
             )
         else:
             hint = (

@@ -55,12 +55,14 @@ async def handle_payment(env, msg) -> None:
     # redelivery of a credited payment stops here, however late it comes.
     if env.db.execute("select 1 from credited where payment_id = ?", (key,)).fetchone():
         return
-    # TODO: Make sure a delivery that follows one killed between the charge and the credit does not charge again, even after the key window.
+    # TODO: Make sure a delivery that follows one killed between the charge and the credit does not charge again, even after the key window, be it a redelivery or a copy.
     # Not credited yet, but a delivery before this one may have charged it and died before crediting. After
     # the key window only the gateway's search (by the payment's reference) knows that; inside the window
     # the search may not show a charge made a moment ago, and the key makes the repeat harmless instead.
-    # (This asks the search once per new payment. Recording the attempt before charging, and searching only
-    # on a delivery that finds an attempt but no credit, is as right and spares the searches.)
+    # A copy of the payment is such a delivery too, on its first delivery: its delivery count and stream
+    # sequence know nothing of the message before it. (This asks the search once per new payment. Recording
+    # the attempt under the payment's id before charging, and searching only on a delivery that finds an
+    # attempt but no credit, is as right and spares the searches.)
     found = await env.find_charges(key)
     charge = found[0] if found else await env.charge(payment, idempotency_key=key)
     # TODO: Credit each payment exactly once, so that a kill at any point leaves its credit and your record of it both written or both missing.
