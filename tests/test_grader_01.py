@@ -81,6 +81,10 @@ def test_a_passing_run_shows_every_rule_at_work(no_nats_url: None, monkeypatch: 
     assert twice, "the crash after an email should have made the solution send one twice"
     allowance = lab01._allowance(run, ev.watch, ev.stream, ev.email.ended, twice[0])
     assert allowance.allowed == len(emails[twice[0]]) and allowance.held
+    # The transfer: the provider refused worker #3's first emails, and each of those orders was emailed later.
+    outage = ev.provider.refused
+    assert len(outage) == lab01.OUTAGE_CALLS and {e.pid for e in outage} == {ev.last_worker.pid}
+    assert all(any(sent.ts > e.ts for sent in emails[str(e.key)]) for e in outage)
     # Rule 2: the backlog drained, the last worker asked again after an empty fetch, and emailed the late order itself.
     proof = ev.idle.proof
     assert proof.drained and proof.refetch is not None and proof.refetch.ts > proof.since
@@ -92,8 +96,8 @@ def test_a_worker_that_stops_asking_after_an_empty_fetch_is_caught(no_nats_url: 
     # Survives, but waits for a signal that never comes once the backlog is done.
     path = variant_of_solution(
         tmp_path,
-        "            continue\n",
-        "            await asyncio.Event().wait()\n",
+        "size.)\n            continue\n",  # the empty fetch's continue, not the refused email's
+        "size.)\n            await asyncio.Event().wait()\n",
     )
     path.write_text("import asyncio\n" + path.read_text())
     verdict = grade("01", source=path, seed=1)

@@ -12,7 +12,8 @@ What the grader (or the lab notebook) hands you in `env`:
   env.durable(name)          the durable consumer to use for `name`, e.g. env.durable("email")
   env.request_timeout        how long the inventory service may take to answer, in seconds
   env.save_order(order)      stores the order in the order service's own database
-  env.send_email(order_id)   sends the confirmation email for one order
+  env.send_email(order_id)   sends the confirmation email for one order through the email provider;
+                             raises ConnectionError when the provider is down (then nothing went out)
 
 What the platform runs already (README.md has the details):
   inventory      answers on "inventory.reserve": the order as JSON in, {"reserved": true|false} out
@@ -51,6 +52,7 @@ async def place_order(env, order: dict) -> None:
 async def email_worker(env) -> None:
     """The email service: one confirmation email per accepted order. Runs until it is stopped."""
     # TODO: Email every accepted order once, even when this process is killed at any moment and started again, and keep running through quiet spells with nothing to email.
+    # TODO: When the email provider is down (env.send_email raises ConnectionError: nothing went out), that order's email must still go out once the provider is back, and the worker must keep serving the other orders meanwhile.
     sub = await env.nc.subscribe(env.subject("email.send"))
     async for msg in sub.messages:
         order = json.loads(msg.data)

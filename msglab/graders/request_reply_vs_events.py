@@ -46,7 +46,7 @@ from msglab.grading import rules
 from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import BrokerWatch, refuse_publishes
-from msglab.grading.rules import plural
+from msglab.grading.rules import an, plural
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, held
 from msglab.grading.verdict import Check
 from msglab.world.storefront import INVENTORY, LOYALTY_ASK, Storefront, order_id
@@ -84,6 +84,9 @@ IDLE_CAP = 7.0  # the longest the grader waits for idle survival at all (nats-py
 LATE_DEADLINE = 2.0  # the late order must be emailed within this
 SETTLE = 2.0  # at the end, how long email and loyalty have to finish
 TRACE_LINES = 16  # steps quoted per order in a verdict
+OUTAGE_WORKER = 2  # the email provider is down for email worker #3 (0-based), which no crash is planned for
+OUTAGE_CALLS = 2  # ... for its first this many env.send_email calls: retrying once is not enough
+OUTAGE_ERROR = "ConnectionError"  # what env.send_email raises then; nothing went out
 PARAMS = {"request_timeout": REQUEST_TIMEOUT}  # what env carries besides connections and names
 
 ORDERS_AT_ONCE = ["base", "loyalty_silent"]  # the first two, always, email up
@@ -164,7 +167,8 @@ async def playground(env: Any) -> None:
     """For the lab notebook: the stream and durables, inventory and loyalty, and effects that print.
 
     The inventory has no stock for sku-0; `env.set_service(name, state)` takes a service up, down
-    or silent; `env.shop.awarded` lists loyalty's points so far.
+    or silent ("email_provider" up or down: env.send_email then raises ConnectionError);
+    `env.shop.awarded` lists loyalty's points so far.
     """
     await _provision(env.js, env.names)
 
@@ -175,9 +179,24 @@ async def playground(env: Any) -> None:
     shop = Storefront(env.nc, env.js, env.names, record, stream=STREAM, durable=LOYALTY, no_stock={"sku-0"})
     await shop.start()
     env.shop = shop
-    env.set_service = shop.set
+    provider_up = [True]
+
+    async def set_service(name: str, state: str) -> None:
+        if name == "email_provider":
+            provider_up[0] = state == "up"
+        else:
+            await shop.set(name, state)
+
+    def send_email(order_id: str) -> None:
+        if not provider_up[0]:
+            raise ConnectionError(
+                f"the email provider is unavailable (connection refused): no email went out for {order_id}"
+            )
+        print(f"email sent for {order_id}")
+
+    env.set_service = set_service
     env.save_order = lambda order: print(f"saved order {order['id']}")
-    env.send_email = lambda order_id: print(f"email sent for {order_id}")
+    env.send_email = send_email
 
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -322,6 +341,43 @@ def _storefront(run: Run, plan: Plan) -> Storefront:
     )  # fmt: skip
 
 
+class Provider:
+    """The email provider behind env.send_email: down for email worker #3's first OUTAGE_CALLS calls.
+
+    A refused call raises ConnectionError in the worker and sends nothing (a note in the log, never an
+    email). The outage is a planned fault (rule 1): it fired once a call was refused.
+    """
+
+    def __init__(self, run: Run, email: HeldSpawns) -> None:
+        self.run, self.email = run, email
+        self.refused: list[Any] = []  # the log's notes, one per refused call
+        self.planned = rules.Planned(
+            what=f"make the email provider refuse email worker #3's first {OUTAGE_CALLS} env.send_email calls",
+            hint="email worker #3 must take the events left on the durable and send each one's email with"
+            " env.send_email",
+        )
+        run.planned.append(self.planned)
+
+    @property
+    def worker(self) -> Child | None:
+        released = self.email.released
+        return released[OUTAGE_WORKER] if len(released) > OUTAGE_WORKER else None
+
+    async def send_email(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        """The effect handler: refuse the outage's calls, record every other email as sent."""
+        from msglab.grading.harness import Refuse
+
+        if child is self.worker and 1 <= call <= OUTAGE_CALLS:
+            self.refused.append(self.run.log.record("note", "email_refused", key, pid=child.pid, call=call))
+            self.planned.fired = True
+            said = f"the email provider is unavailable (connection refused): no email went out for {key}"
+            raise Refuse(OUTAGE_ERROR, said)
+        self.run.record_effect(child, "send_email", key, call=call, **detail)
+
+    def refused_ids(self) -> list[str]:
+        return list(dict.fromkeys(str(e.key) for e in self.refused))
+
+
 class Stream:
     """The stream ORDERS as the grader reads it: which events it holds, and for which orders."""
 
@@ -416,6 +472,8 @@ async def grade(run: Run) -> list[Check]:
     watch = await EMAIL_TOPOLOGY.watch(run)
     await shop.start()
     email = HeldSpawns(run, "email_worker", plan.faults, limit=len(plan.crashes) + 1, params=PARAMS)
+    provider = Provider(run, email)
+    run.on("send_email", provider.send_email)
     email.prepare(len(plan.crashes) + 1)
     try:
         orders = await asyncio.gather(run.spawn("orders", params=PARAMS), run.spawn("orders", params=PARAMS))
@@ -427,7 +485,10 @@ async def grade(run: Run) -> list[Check]:
         await watch.stop()
     await email.settle()  # so rule 6 knows when each worker ended, and rule 3 sees one that ended on its own
     await stream.scan()
-    return judge(Evidence(run, plan, stream, watch, email, await EMAIL_TOPOLOGY.info(run), idle))
+    if not provider.planned.fired:
+        who = f"email worker #3 (pid {provider.worker.pid})" if provider.worker else "email worker #3"
+        provider.planned.seen = f"{who} made no env.send_email call"
+    return judge(Evidence(run, plan, stream, watch, email, await EMAIL_TOPOLOGY.info(run), idle, provider))
 
 
 async def _workload(
@@ -605,6 +666,7 @@ class Evidence:
     email: HeldSpawns  # the email worker's incarnations, released in order
     info: Any  # the durable 'email' at the end
     idle: Idle
+    provider: Provider  # the email provider's outage for worker #3
 
     def at(self, ts: float) -> str:
         return self.run.at(ts)
@@ -649,6 +711,9 @@ class Evidence:
         for e in self.run.log.events("crash", "send_email"):
             if e.key == oid:
                 steps.add(e.ts, f"{self.label(e.pid)} SIGKILLed {WHERE[e.detail['when']]} (injected)")
+        for e in self.provider.refused:
+            if e.key == oid:
+                steps.add(e.ts, f"{self.label(e.pid)}'s env.send_email raised {OUTAGE_ERROR}: provider down (injected)")
         for e in _emails(self.run).get(oid, []):
             steps.add(e.ts, f"emailed by {self.label(e.pid)}")
         for e in _awards(self.run).get(oid, []):
@@ -673,6 +738,7 @@ def judge(ev: Evidence) -> list[Check]:
         _refused_never_announced(ev),
         _lost_check(ev),
         _duplicate_check(ev),
+        _outage_check(ev),
         _acked_check(ev),
         _loyalty_check(ev),
         _idle_check(ev),
@@ -1110,6 +1176,58 @@ def _duplicate_check(ev: Evidence) -> Check:
         )
         hint = "ack every event once its email went out; an un-acked event comes back after ack_wait"
     return Check("no_duplicate_emails", title, False, message, trace=ev.trace(oid), hint=hint)
+
+
+def _outage_check(ev: Evidence) -> Check:
+    """The transfer: an email the provider refused is not done; it goes out later, and the worker lives on."""
+    name = "survives_email_outage"
+    title = "an email the provider refused goes out later, and the worker keeps running"
+    worker, refused = ev.provider.worker, ev.provider.refused
+    if worker is None or not refused:
+        who = ev.label(worker.pid) if worker else "email worker #3"
+        return Check(
+            name,
+            title,
+            False,
+            f"could not be tested: {who} made no env.send_email call, so the email provider (down for its first "
+            f"{plural(OUTAGE_CALLS, 'call')}) never refused one.",
+            hint="fix the other email checks first: the last worker must email the events left on the durable",
+        )
+    emails = _emails(ev.run)
+    never = [oid for oid in ev.provider.refused_ids() if oid not in emails]
+    label, first = ev.label(worker.pid), refused[0]
+    story = (
+        f"The email provider was down for {label}'s first {plural(OUTAGE_CALLS, 'env.send_email call')}: the call "
+        f"for {first.key} at {ev.at(first.ts)} raised {OUTAGE_ERROR}, and no email went out."
+    )
+    if worker.died or worker.returned:
+        message = f"{story}\n{label} then {rules.how_ended(worker)}: a failed email ended the worker."
+        if never:
+            message += f" {', '.join(never)} never got its email."
+        hint = (
+            "a failed email is a reason to send it again later, not to end the worker: keep the event for another"
+            " delivery and carry on with the next"
+        )
+        return Check(name, title, False, message, trace=ev.trace(str(first.key)), hint=hint)
+    if not never:
+        return Check(name, title, True)
+    oid = never[0]
+    message = f"{story}\n{_of(never, ev.provider.refused_ids(), 'refused email')} never sent later: {', '.join(never)}."
+    settled = [a for s in ev.stream.seqs(oid) for a in ev.watch.of(s) if a.kind in ("ack", "term")]
+    refusal = next(e for e in refused if e.key == oid)
+    if settled and settled[-1].ts >= refusal.ts:
+        message += (
+            f"\nYet the broker received {an(settled[-1].kind)} for its event (seq {settled[-1].stream_seq}) at "
+            f"{ev.at(settled[-1].ts)}, after the failed call: the worker reported the email done although it had "
+            "failed, and an acked event never comes back."
+        )
+        hint = (
+            "an email the provider refused is not done: settle its event only once the email went out, so the broker"
+            " delivers it again"
+        )
+    else:
+        hint = "an email the provider refused must be sent again later: let the broker deliver its event again"
+    return Check(name, title, False, message, trace=[*ev.trace(oid), "never emailed"], hint=hint)
 
 
 def _held(ev: Evidence, pid: int) -> str:

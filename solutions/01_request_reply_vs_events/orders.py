@@ -11,7 +11,8 @@ What the grader (or the lab notebook) hands you in `env`:
   env.durable(name)          the durable consumer to use for `name`, e.g. env.durable("email")
   env.request_timeout        how long the inventory service may take to answer, in seconds
   env.save_order(order)      stores the order in the order service's own database
-  env.send_email(order_id)   sends the confirmation email for one order
+  env.send_email(order_id)   sends the confirmation email for one order through the email provider;
+                             raises ConnectionError when the provider is down (then nothing went out)
 
 What the platform runs already (README.md has the details):
   inventory      answers on "inventory.reserve": the order as JSON in, {"reserved": true|false} out
@@ -75,7 +76,13 @@ async def email_worker(env) -> None:
             continue
         for msg in msgs:
             order = json.loads(msg.data)
-            env.send_email(order["id"])
+            try:
+                env.send_email(order["id"])
+            except ConnectionError:
+                # The email provider is down: this email is not done, so it is not acked. The broker
+                # delivers the event again after ack_wait, by when the provider may be back; the
+                # worker carries on with the next event meanwhile.
+                continue
             # The ack goes after the email and is confirmed by the server: killed before this
             # line, the event comes back (an email may go out twice); never lost.
             await msg.ack_sync()

@@ -44,4 +44,7 @@ async def email_worker(env) -> None:
         for msg in msgs:
             order = json.loads(msg.data)
             await msg.ack_sync()
-            env.send_email(order["id"])
+            try:
+                env.send_email(order["id"])
+            except ConnectionError:  # the provider is down (not this variant's mistake): it comes back
+                continue

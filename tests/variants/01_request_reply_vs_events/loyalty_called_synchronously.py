@@ -43,5 +43,8 @@ async def email_worker(env) -> None:
             continue
         for msg in msgs:
             order = json.loads(msg.data)
-            env.send_email(order["id"])
+            try:
+                env.send_email(order["id"])
+            except ConnectionError:  # the provider is down (not this variant's mistake): it comes back
+                continue
             await msg.ack_sync()

@@ -38,6 +38,9 @@ async def email_worker(env) -> None:
             continue
         for msg in msgs:
             order = json.loads(msg.data)
-            env.send_email(order["id"])
+            try:
+                env.send_email(order["id"])
+            except ConnectionError:
+                continue  # not sent, so not acked: it comes back after ack_wait
             await msg.ack()
             await env.nc.flush()

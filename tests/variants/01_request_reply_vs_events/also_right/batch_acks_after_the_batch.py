@@ -38,7 +38,12 @@ async def email_worker(env) -> None:
             batch = await sub.fetch(batch=50, timeout=0.3)
         except TimeoutError:
             continue
+        sent = []
         for msg in batch:
-            env.send_email(json.loads(msg.data)["id"])
-        for msg in batch:  # every email of the batch went out: now the acks
+            try:
+                env.send_email(json.loads(msg.data)["id"])
+            except ConnectionError:
+                continue  # the provider is down: this one stays unacked and comes back
+            sent.append(msg)
+        for msg in sent:  # every email that went out: now the acks
             await msg.ack_sync()

@@ -40,5 +40,12 @@ async def email_worker(env) -> None:
             msgs = []
         for msg in msgs:
             order = json.loads(msg.data)
-            env.send_email(order["id"])
+            for attempt in range(4):  # the provider may be back in a moment: try again, a little later each time
+                try:
+                    env.send_email(order["id"])
+                    break
+                except ConnectionError:
+                    await asyncio.sleep(0.05 * 2**attempt)
+            else:
+                continue  # still down: leave it unacked, the broker delivers it again
             await msg.ack_sync()

@@ -41,7 +41,12 @@ async def place_order(env, order: dict) -> None:
 
 
 async def handle(env, msg) -> None:
-    env.send_email(json.loads(msg.data)["id"])
+    """Email one event, then ack it; if the provider refuses, nak it and let the broker bring it back."""
+    try:
+        env.send_email(json.loads(msg.data)["id"])
+    except ConnectionError:
+        await msg.nak()
+        return
     await msg.ack_sync()
 
 
