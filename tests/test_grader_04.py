@@ -35,6 +35,8 @@ def test_plan_replays_from_its_seed_and_meets_every_kind() -> None:
         assert sum(e.kind in PERMANENT for e in plan.phase(1)[:4]) == 2  # worker #1 meets its faults early
         assert {plan.get(o).kind for o in plan.redrive} == {"template", "unreachable"}
         assert all(1 <= len(e.script) <= 2 for e in plan.emails if e.kind == "flaky")
+        # Every seed meets every transient answer (503 comes with the outage): a 429 and a reset.
+        assert {"429", "reset"} <= {a for e in plan.emails for a in e.script}
         malformed = next(e for e in plan.emails if e.kind == "malformed")
         with pytest.raises(ValueError):
             json.loads(malformed.payload)
@@ -58,6 +60,14 @@ def test_every_planned_fault_happens_in_a_solution_run(no_nats_url: None, monkey
     refused = [p for p in lab.publishes if p.name == "dlq_refused" and p.pid == first.pid]
     assert len(refused) == 1  # the DLQ stream refused worker #1's first dead letter, and only that one
     assert lab.refused in lab.run.planned and lab.refused.fired  # rule 1 holds the run to the refusal
+    # The transfer: the unreachable email's first dead letter, on its last delivery, was refused too, and the
+    # solution kept the email until the DLQ stream had it.
+    assert lab.last_refused in lab.run.planned and lab.last_refused.fired
+    unreachable = next(e.order for e in ev.plan.emails if e.kind == "unreachable")
+    life = ev.life(unreachable)
+    refused_last = [p for p in life.publishes if p.name == "dlq_refused"]
+    assert [life.delivery_at(p.pid, p.ts) for p in refused_last] == [grader.MAX_DELIVER]
+    assert [entry.headers.get("Dlq-Deliveries") for entry in life.dlq] == [str(grader.MAX_DELIVER)]
     assert lab.workers[0].fired and lab.redrivers[0].fired  # both kills
     # Rule 2: the worker asked again after an empty fetch, then sent the late email itself.
     assert lab.refetch is not None and lab.sent_by(ev.plan.late.order) == [lab.workers[1].pid]

@@ -54,7 +54,7 @@ async def handle(env, msg) -> None:
         await env.send_email(json.loads(msg.data))
     except Exception:
         # TODO: Retry a failure that can succeed later, with waits that grow, within the budget, without holding up the next email.
-        # TODO: Move an email that will never be sent to the DLQ with all it needs, and settle it only once the DLQ has it.
+        # TODO: Move an email that will never be sent to the DLQ with all it needs, and settle it only once the DLQ has it, even when the DLQ refuses it on the email's last delivery.
         await msg.nak()
         return
     await msg.ack_sync()

@@ -25,11 +25,13 @@ What the grader (or the lab notebook) hands you in `env`:
 Check your work:  msglab check 04   (or run the last cell of lab.ipynb)
 """
 
+import asyncio
 import json
 
 FETCH_TIMEOUT = 0.3  # seconds a fetch waits for email (scaled down: production long-polls 5-30 s)
 BUDGET = 5  # deliveries in all, as the durable allows (its max_deliver)
 RETRY_DELAYS = [0.1, 0.2, 0.4, 0.8]  # before retry 1, 2, 3, 4: doubling, 1.5 s in all (production: 1, 10, 100, 1000 s)
+DLQ_RETRY = 0.05  # the first wait before a refused dead letter is published again on the last delivery
 
 
 def is_transient(error) -> bool:
@@ -68,16 +70,32 @@ async def handle(env, msg) -> None:
         if is_transient(error) and delivery < BUDGET:
             await msg.nak(delay=RETRY_DELAYS[min(delivery, len(RETRY_DELAYS)) - 1])
             return
-        # TODO: Move an email that will never be sent to the DLQ with all it needs, and settle it only once the DLQ has it.
+        # TODO: Move an email that will never be sent to the DLQ with all it needs, and settle it only once the DLQ has it, even when the DLQ refuses it on the email's last delivery.
         try:
             await dead_letter(env, msg, error)
         except Exception:
-            # The DLQ did not take it: leave the email unsettled, so it comes back (after ack_wait) and is
-            # dead-lettered then. Terming it now would lose it.
-            return
+            if delivery < BUDGET:
+                # The DLQ did not take it: leave the email unsettled, so it comes back (after ack_wait) and is
+                # dead-lettered then. Terming it now would lose it.
+                return
+            # The last delivery: nothing brings it back (the server stops at max_deliver), so keep it here.
+            await keep_until_dead_lettered(env, msg, error)
         await msg.term()  # dead-lettered: never deliver it again
         return
     await msg.ack_sync()
+
+
+async def keep_until_dead_lettered(env, msg, error) -> None:
+    """Publish the dead letter again until the DLQ stream has it, keeping this worker's claim on the email."""
+    wait = DLQ_RETRY
+    while True:
+        await msg.in_progress()  # resets ack_wait: the email stays ours while the DLQ is refusing
+        await asyncio.sleep(wait)  # a rare wait, on an email no other delivery can save
+        try:
+            await dead_letter(env, msg, error)
+            return
+        except Exception:
+            wait = min(wait * 2, 0.4)
 
 
 async def dead_letter(env, msg, error) -> None:

@@ -1,9 +1,11 @@
 """A correct worker written differently: the budget read from the durable, delays from a formula,
-a set of retryable statuses, and a redrive that names each republish after the original message.
+a set of retryable statuses, a dead letter refused on the last delivery published again every
+0.1 s until the DLQ has it, and a redrive that names each republish after the original message.
 
 Expect: pass
 """
 
+import asyncio
 import json
 
 RETRYABLE = {429, 500, 502, 503, 504}
@@ -41,14 +43,25 @@ async def email_worker(env) -> None:
                     "Dlq-Stream-Seq": f"{meta.sequence.stream}",
                     "Nats-Msg-Id": f"dead:{meta.stream}:{meta.sequence.stream}",
                 }
-                try:
-                    await env.js.publish(env.subject("orders.email.dlq"), msg.data, headers=headers)
-                except Exception:
+                if not await publish_dead(env, msg, headers, last=meta.num_delivered >= budget):
                     await msg.nak(delay=0.2)  # the DLQ did not take it: try again soon
                     continue
                 await msg.term()
             else:
                 await msg.ack_sync()
+
+
+async def publish_dead(env, msg, headers, last: bool) -> bool:
+    """True once the DLQ stream has the dead letter; on the last delivery, keep trying (no delivery follows)."""
+    while True:
+        try:
+            await env.js.publish(env.subject("orders.email.dlq"), msg.data, headers=headers)
+            return True
+        except Exception:
+            if not last:
+                return False
+        await msg.in_progress()
+        await asyncio.sleep(0.1)
 
 
 async def redrive(env, order_ids) -> int:

@@ -1,6 +1,7 @@
 """A correct worker that long-polls: each fetch waits 2.5 s for email (production waits 5-30 s), so
 after the queue runs empty it asks again only seconds later, and a late email reaches the fetch
-that is already waiting.
+that is already waiting. A dead letter refused on the last delivery is published again at once,
+the email's claim kept with in_progress().
 
 Expect: pass
 """
@@ -46,11 +47,15 @@ async def handle(env, msg) -> None:
         if is_transient(error) and delivery < BUDGET:
             await msg.nak(delay=RETRY_DELAYS[min(delivery, len(RETRY_DELAYS)) - 1])
             return
-        try:
-            await dead_letter(env, msg, error)
-        except Exception:
-            # The DLQ did not take it: leave the email unsettled, so it comes back (after ack_wait) and is
-            # dead-lettered then. Terming it now would lose it.
+        for _ in range(1 if delivery < BUDGET else 20):
+            try:
+                await dead_letter(env, msg, error)
+                break
+            except Exception:
+                if delivery < BUDGET:
+                    return  # it comes back after ack_wait and is dead-lettered then
+                await msg.in_progress()  # the last delivery: hold on to it and publish again
+        else:
             return
         await msg.term()  # dead-lettered: never deliver it again
         return
