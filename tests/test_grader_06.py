@@ -1,4 +1,4 @@
-"""Lab 06's grader on what no variant's verdict shows: the throughput judgement's two ratios, the
+"""Lab 06's grader on what no variant's verdict shows: the throughput judgement (two ratios), the
 ledger's final state after a late duplicate, what the learner's permissions allow on the lab's
 stream (its own durables, never the stream), and the lab notebook's order on hold, by hand.
 (What each variant's verdict must say is its `Says:` lines, graded in tests/test_variants.py.)"""
@@ -11,27 +11,36 @@ from pathlib import Path
 from typing import Any
 
 from msglab.graders import partition_keys
-from msglab.graders.partition_keys import RATIO, SPREAD, Measured, _throughput_check
+from msglab.graders.partition_keys import PARALLEL, SPREAD, Measured, _parallel_share, _throughput_check
 from msglab.world import order_events as oe
 
 
-def test_throughput_is_judged_on_the_busiest_workers_share_and_the_speed_up_never_a_time() -> None:
+def test_throughput_is_judged_on_the_busiest_workers_share_and_applies_side_by_side_never_a_time() -> None:
     events = 144
-    fair = max(1, int(events / SPREAD) - 1)  # just under the bound
-    parallel = {1: Measured(2.4, True, events), 4: Measured(2.4 / (RATIO + 0.1), True, fair)}
-    assert _throughput_check(parallel, events).passed
-    # The same spans, ten times slower (a loaded machine): the same verdict.
-    slow = {n: Measured(m.span * 10, True, m.busiest) for n, m in parallel.items()}
-    assert _throughput_check(slow, events).passed
-    hot = {1: Measured(2.4, True, events), 4: Measured(0.8, True, int(events / SPREAD) + 1)}
+    fair = int(events / SPREAD) - 1  # just under the bound
+    side_by_side = {1: Measured(2.4, True, events), 4: Measured(2.0, True, fair, PARALLEL + 0.01)}
+    assert _throughput_check(side_by_side, events).passed  # 1.2 times faster only (a starved CPU): still a pass
+    slow = {n: Measured(m.span * 10, True, m.busiest, m.parallel) for n, m in side_by_side.items()}
+    assert _throughput_check(slow, events).passed  # ten times slower everywhere: the same verdict
+    hot = {1: Measured(2.4, True, events), 4: Measured(0.8, True, int(events / SPREAD) + 1, 0.9)}
     check = _throughput_check(hot, events)
     assert not check.passed and "hot partition" in check.message, check.message
-    serial = {1: Measured(2.4, True, events), 4: Measured(2.4 / (RATIO - 0.1), True, events // 4)}
-    check = _throughput_check(serial, events)
-    assert not check.passed and "serialise" in check.hint, check.hint
+    turns = {1: Measured(2.4, True, events), 4: Measured(2.5, True, events // 4, 0.0)}
+    check = _throughput_check(turns, events)
+    assert not check.passed and "took turns" in check.message and "serialise" in check.hint, check.message
     unfinished = {1: Measured(6.0, False, 100)}
     check = _throughput_check(unfinished, events)
     assert not check.passed and check.message.startswith("could not be measured"), check.message
+
+
+def test_the_parallel_share_counts_only_time_two_workers_applied_at_once() -> None:
+    def applied(worker: str, start: float, end: float) -> oe.Applied:
+        return oe.Applied("o-1", 1, "created", worker, start, end)
+
+    one_after_another = [applied("a", 0, 1), applied("b", 1, 2), applied("a", 2, 3)]
+    assert _parallel_share(one_after_another, 3.0) == 0.0
+    side_by_side = [applied("a", 0, 2), applied("b", 1, 3), applied("c", 1.5, 2.5)]
+    assert _parallel_share(side_by_side, 3.0) == (2 - 1) / 3 + (2.5 - 2) / 3
 
 
 def test_a_late_duplicate_sets_the_order_back_in_the_ledger() -> None:

@@ -62,12 +62,15 @@ THROUGHPUT_DEADLINE = 6.0  # seconds each backlog may take (a correct worker nee
 BUDGET = 36.0  # seconds all phases may take together: the platform stops a run at 45 s
 POISON_WINDOW = 3.0  # the back office resolves the poisoned order once the others are applied, or after this
 IDLE_DEADLINE, LATE_DEADLINE = 4.0, 3.0
-# Throughput, judged as two ratios, never a time: on n=4 the busiest worker applies at most 1/SPREAD of the
-# backlog (a count: key by order gives 1/3.2-1/2.2 on these seeds, by customer about 1/1.1), and the backlog
-# is applied at least RATIO times faster than on n=1 (a lower bound: 2-3.7 measured with the machine loaded,
-# serial workers give 1.0).
-SPREAD, RATIO = 1.6, 1.4
+# Throughput, judged as ratios that load cannot break, never a time. On n=4 the busiest worker applies at
+# most 1/SPREAD of the backlog (a count: key by order gives 1/3.2-1/2.2 on these seeds, by customer about
+# 1/1.1), and applies of different workers run at once for at least PARALLEL of the n=4 span (a share: one
+# event in flight for all partitions gives exactly 0; parallel partitions 0.5-0.97, less on a starved CPU).
+# The speed-up itself (n=1's span over n=4's, 2-3.7 idle) is reported, not judged: with every core starved
+# it fell to 1.35 for a correct file, since partitions cannot outrun the CPUs.
+SPREAD, PARALLEL = 1.6, 0.1
 MAX_WORKERS = 20
+LATE = Event("o-late", 1, "created", "c-01", 0)  # published after the idle gap (rule 2)
 TRACE_LINES = 14
 
 
@@ -162,6 +165,7 @@ class Measured:
     span: float
     done: bool
     busiest: int  # events applied by the busiest worker
+    parallel: float = 0.0  # share of the span during which applies of two or more workers were in progress
 
 
 @dataclass
@@ -323,9 +327,9 @@ async def grade(run: Run) -> list[Check]:
     backlog = workload(seed + 2, orders=48, skew=4.0)  # one wholesale customer places most orders
     tender = asyncio.ensure_future(shop.tend())
     measured: dict[int, Measured] = {}
-    late = Event("o-late", 1, "created", "c-01", 0)
-    since = late_at = 0.0
+    late = LATE
     drained_info: Any = None
+    idle: Check | None = None
     started = time.monotonic()
 
     async def wait(condition: Any, timeout: float) -> bool:
@@ -374,9 +378,11 @@ async def grade(run: Run) -> list[Check]:
             since = max([a.ts for a in watch.acks] or [time.time()])
             alive = [s.child for s in three if s.child is not None]
             await wait(lambda: watch.refetched_after_idle(since) is not None, IDLE_DEADLINE)
-            late_at = time.time()
+            refetch, late_at = watch.refetched_after_idle(since), time.time()
             await shop.publish([late], 3, "late")
             await wait(lambda: shop.applied({(late.key, late.seq)}) or all(map(gone, alive)), LATE_DEADLINE)
+            proof = rules.IdleProof(late.key, late_at, since, True, refetch, IDLE_DEADLINE, LATE_DEADLINE)
+            idle = _idle_check(shop, alive, proof)  # now: the next phase stops these workers
         async with phase("throughput"):
             await shop.stop(three)
             for n in (1, 4):
@@ -390,7 +396,7 @@ async def grade(run: Run) -> list[Check]:
                 mine_applied = [a for a in shop.ledger.log if a.key.startswith(f"t{n}-")]
                 span = max(a.end for a in mine_applied) - min(a.start for a in mine_applied) if mine_applied else 0.0
                 busiest = max(Counter(a.worker for a in mine_applied).values(), default=0)
-                measured[n] = Measured(span, done, busiest)
+                measured[n] = Measured(span, done, busiest, _parallel_share(mine_applied, span))
                 await shop.stop(slots)
     finally:
         tender.cancel()
@@ -399,19 +405,8 @@ async def grade(run: Run) -> list[Check]:
         await spawns.cancel()
     await spawns.settle()
     seqs = await _stream_seqs(run, stream)
-    late_pids = [int(a.worker) for a in shop.ledger.log if a.key == late.key]
-    current = next((c for c in (s.child for s in three) if c is not None and c.pid in late_pids), None)
-    current = current or next((s.child for s in three if s.child is not None and gone(s.child)), three[0].child)
-    proof = rules.IdleProof(
-        late.key, late_at, since, True, watch.refetched_after_idle(since), IDLE_DEADLINE, LATE_DEADLINE
-    )
-    words = rules.IdleWords(
-        "the running workers survive an idle stream and apply an event that arrives later",
-        "applied",
-        failures=("OrderRejected",),
-    )
-    if not late_at:
-        words.untested = "the run never reached its idle gap: an earlier phase did not finish"
+    if idle is None:
+        idle = _idle_check(shop, [], None)
     spanning = {e.key for e in orders[:cut]} & {e.key for e in orders[cut:]}
     return [
         _order_check(shop, exclude=spanning | {shop.poison.key, late.key}),
@@ -423,8 +418,24 @@ async def grade(run: Run) -> list[Check]:
         _flow_check(shop, burst),
         _throughput_check(measured, len(backlog)),
         _acked_check(drained_info),
-        rules.survives_idle(run.at, proof, current, late_pids, shop.trace(late.key), words),
+        idle,
     ]
+
+
+def _idle_check(shop: Shop, running: list[Child], proof: rules.IdleProof | None) -> Check:
+    """Rule 2, judged when the late event had its chance: `running` are the workers that were running then."""
+    words = rules.IdleWords(
+        "the running workers survive an idle stream and apply an event that arrives later",
+        "applied",
+        failures=("OrderRejected",),
+    )
+    if proof is None:
+        words.untested = "the run never reached its idle gap: an earlier phase did not finish"
+        proof = rules.IdleProof(LATE.key, 0.0, 0.0, False, None, IDLE_DEADLINE, LATE_DEADLINE)
+    handled_by = [int(a.worker) for a in shop.ledger.log if a.key == LATE.key]
+    current = next((c for c in running if c.pid in handled_by), None)
+    current = current or next((c for c in running if gone(c)), running[0] if running else None)
+    return rules.survives_idle(shop.run.at, proof, current, handled_by, shop.trace(LATE.key), words)
 
 
 async def _consumers_drained(run: Run, stream: str) -> bool:
@@ -638,6 +649,13 @@ def _parked_check(shop: Shop) -> Check:
             "a dead-letter queue takes the refused event out of the way, and the order's next events then run"
             " without it. Park the key instead: its later events wait (in order) until it is resolved"
         )
+        refuser = next((c for c in shop.run.children if c.pid == shop.rejected[0].pid), None)
+        if refuser is not None and refuser.died:
+            message += f" Worker {refuser.pid} had died on the refusal ({refuser.died.get('error')})."
+            hint = (
+                "catch env.OrderRejected where env.apply raises it: a worker that dies on it leaves the refused event"
+                " to the broker, and its order's next events are handed out meanwhile. Park the order instead"
+            )
         return Check("parked_key_resumes_in_order", title, False, message, trace=shop.trace(poison.key), hint=hint)
     broken = _out_of_order(shop, {poison.key})
     applied = {a.seq for a in mine}
@@ -687,7 +705,26 @@ def _flow_check(shop: Shop, burst: list[Event]) -> Check:
         "retrying the refused event holds up every order behind it in its partition (head-of-line blocking): set"
         " the order aside, ack what you parked, and go on with the next event"
     )
+    if all(e.customer == poison.customer for e in waiting):
+        message += f" Every one of them is an order of {poison.customer}, the refused order's customer."
+        hint = (
+            "what you parked was the customer, so all of that customer's orders waited for one of them: per-order"
+            " order needs the order id as the key, and only the refused order has to wait"
+        )
     return Check("other_keys_flow_while_parked", title, False, message, trace=shop.trace(first.key), hint=hint)
+
+
+def _parallel_share(applies: list[Applied], span: float) -> float:
+    """The share of `span` during which applies of two or more different workers were in progress at once."""
+    edges = sorted([(a.start, 1, a.worker) for a in applies] + [(a.end, -1, a.worker) for a in applies])
+    running: Counter[str] = Counter()
+    together, since = 0.0, 0.0
+    for ts, step, worker in edges:
+        if sum(1 for w in running if running[w] > 0) >= 2:
+            together += ts - since
+        running[worker] += step
+        since = ts
+    return together / span if span > 0 else 0.0
 
 
 def _throughput_check(measured: dict[int, Measured], count: int) -> Check:
@@ -703,23 +740,23 @@ def _throughput_check(measured: dict[int, Measured], count: int) -> Check:
         return Check(check, title, False, message, hint=hint)
     one, four = measured[1], measured[4]
     ratio = one.span / four.span if four.span > 0 else 0.0
+    took = f"the backlog took {four.span:.2f} s on 4 partitions and {one.span:.2f} s on 1 ({ratio:.2f} times faster)"
     if four.busiest * SPREAD > count:
         message = (
             f"on 4 partitions one worker applied {four.busiest} of the {count} events ({four.busiest / count:.0%}):"
-            f" the backlog took {four.span:.2f} s there and {one.span:.2f} s on 1 partition ({ratio:.2f} times"
-            f" faster). One partition holds most of the work (a hot partition); the bound is {1 / SPREAD:.0%}."
+            f" {took}. One partition holds most of the work (a hot partition); the bound is {1 / SPREAD:.0%}."
         )
         hint = (
             "the key decides the spread: most of these orders come from one wholesale customer, so a key per"
             " customer puts them all in one partition. Per-order order needs no more than the order id"
         )
         return Check(check, title, False, message, hint=hint)
-    if ratio >= RATIO:
+    if four.parallel >= PARALLEL:
         return Check(check, title, True)
     message = (
-        f"{count} events took {one.span:.2f} s to apply on 1 partition and {four.span:.2f} s on 4: {ratio:.2f} times"
-        f" faster, less than {RATIO:.1f} (a lower bound; parallel partitions reach 2 to 3.7 here), though the busiest"
-        f" worker had only {four.busiest} of them."
+        f"on 4 partitions, applies of two workers were in progress at once for {four.parallel:.0%} of the time"
+        f" (the bound is {PARALLEL:.0%}): {took}, though the busiest worker had only {four.busiest} of the"
+        f" {count} events. The partitions took turns instead of working side by side."
     )
     hint = (
         "four partitions help only if their workers apply at the same time: nothing may serialise all partitions"

@@ -5,7 +5,6 @@ Expect: fail order_kept_during_rescale
 Says: published with n=3 was applied first
 """
 
-import asyncio
 import zlib
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
