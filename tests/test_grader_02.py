@@ -137,7 +137,7 @@ def test_every_check_has_hints_in_lab_toml(no_nats_url: None) -> None:
     verdict = grade("02", solution=True, seed=1)
     assert verdict.passed, verdict.to_text()
     names = {c.name for c in verdict.checks}
-    assert len(names) == 10
+    assert len(names) == 11
     missing = names - set(LAB.hints)
     assert not missing, f"lab.toml has no [hints.<id>] for {sorted(missing)}"
     assert all(LAB.hints[n].concept and LAB.hints[n].lesson and LAB.hints[n].code for n in names)
@@ -154,7 +154,8 @@ def test_readme_counts_are_the_graders() -> None:
         f"every try fails for {grader.OUTAGE[0]} to {grader.OUTAGE[1]} s",
         f"({total - grader.REFUSED} of the {total} must be invoiced",
         f"ack_wait {grader.ACK_WAIT} s",
-        "then 10 checks",
+        "then 11 checks",
+        f"takes {grader.SLOW[0]} to {grader.SLOW[1]} s over its invoice",
         f"at least {grader.MIN_RETRY_GAP} s",
     ):
         assert claim in " ".join(readme.split()), claim

@@ -10,7 +10,8 @@ What your worker is handed in `env` (by the grader, or by the lab notebook):
   env.js                         a JetStream context (env.nc is its connection)
   env.stream("BILLING")          the stream of invoice requests (it exists already)
   env.durable("invoicer")        your durable consumer on it (it exists already; ack_wait 0.4 s)
-  await env.send_invoice(oid)    asks the invoicing service to issue the invoice for order oid;
+  await env.send_invoice(oid)    asks the invoicing service to issue the invoice for order oid (a big
+                                 one takes it longer than ack_wait);
                                  when it does not, it raises env.ServiceUnavailable or
                                  env.AccountClosed (both subclasses of env.InvoicingError)
   env.settled(oid)               the billing dashboard counts oid's invoice as done
@@ -50,6 +51,7 @@ async def invoice_worker(env) -> None:
             # TODO: When the invoicing service fails, read its error: a request it can take later must come back until it is invoiced.
             # TODO: While the service is restarting, give a request it cannot take now time before its next try: no hot loop.
             # TODO: A request it will never take must be reported to the billing team, and must then stop coming back.
+            # TODO: An invoice can take longer than the redelivery timer: while yours waits for one, no other worker may be handed the request.
             await msg.ack()  # ack first, so a slow invoice is never delivered twice
             await env.send_invoice(order_id)
             env.settled(order_id)

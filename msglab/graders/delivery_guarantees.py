@@ -17,7 +17,10 @@ after the first, and on at least the first three, so retries spread over more th
 which is worth retrying. The grader restarts a worker that dies on its own (and fails it for that,
 rule 3) until the durable holds nothing. Once it is drained, the grader waits until the broker saw
 the running worker ask again after an empty fetch (BrokerWatch.refetched_after_idle) and publishes
-one late request: that same process must invoice it (rule 2).
+one late request: that same process must invoice it (rule 2). Then one big request: the service
+takes SLOW (1.0-1.2 s, 2.5-3 ack_wait) over its invoice, while the grader, as a second worker of the
+group, pulls from the durable: a worker that sends no sign of life (in_progress) while its call runs
+loses the claim, and the broker hands the grader the request (keeps_claim).
 
 What is judged, and from what (never from the learner's notes):
   the invoicing service's own record (effects answered by the grader), the grader's copy of
@@ -36,6 +39,9 @@ What is judged, and from what (never from the learner's notes):
     (rule 8). A report cut off by a kill between the ack and the report is allowed (rule 6).
   - refused_requests_reported: the request refused for good is reported with env.reject, not
     tried again unless a crash explains it, and settled (acked or termed) so it stops coming back;
+  - retries_spaced: no hot loop; a try refused with ServiceUnavailable is followed by the next no sooner
+    than MIN_RETRY_GAP (the lesson's immediate nak() comes back within a millisecond);
+  - keeps_claim: the big invoice is not handed to another worker while yours waits for it;
   - all_acked, late_request_handled, guarantees_named, faults_fired (rule 1, in the lab's own
     words), and the platform's no_unplanned_deaths (rule 3).
 
@@ -81,6 +87,9 @@ TRANSIENT = 2  # of those published with the last incarnation: unavailable for a
 REFUSED = 1  # ...: refused for good (the customer's account is closed)
 OUTAGE = (1.05, 1.15)  # seconds a transient request stays unavailable after its first attempt: over a
 # second (rule 5); with redelivery every ack_wait its 3rd try (~0.8 s) still fails, its 4th (~1.2 s) succeeds
+SLOW = (1.0, 1.2)  # seconds the invoicing service takes over the big invoice (after the late request): 2.5 to 3
+# ack_wait, so a worker that sends the broker no sign of life loses its claim at least twice over
+COLLEAGUE_PULL = 0.1  # seconds each pull of the grader's colleague worker waits (a second worker of the group)
 MIN_RETRY_GAP = 0.1  # seconds: the least a request the service cannot take now waits before its next try; the
 # lesson's immediate nak() came back in under a millisecond, hundreds of tries a second at a restarting service
 UNAVAILABLE_TRIES = 3  # ... and it fails at least its first three tries: on a loaded machine, where the 3rd
@@ -139,7 +148,9 @@ def _add_effects(env: Any) -> None:
         # A real call to a service is a network round trip, and like any round trip it gives the
         # event loop a turn: what the worker left in its write buffer (an ack) reaches the server.
         await env.nc.flush()
-        env.world.call("send_invoice", key)  # raises ServiceUnavailable or AccountClosed when refused
+        takes = env.world.call("send_invoice", key)  # raises ServiceUnavailable or AccountClosed when refused
+        if takes:  # a big invoice: the service works on it this long, and the worker's event loop runs meanwhile
+            await asyncio.sleep(float(takes))
         # Counted apart from calls, so the crash after an invoice never lands on a refused call.
         env.world.call("invoice_sent", key)
 
@@ -170,7 +181,7 @@ async def playground(env: Any) -> None:
     """For the lab notebook: the same stream and durable, and an invoicing service that prints.
 
     Order ids ending in 3 meet a service that is restarting (for 0.6 s after their first try);
-    ids ending in 4 belong to a customer whose account is closed.
+    ids ending in 4 belong to a customer whose account is closed; ids ending in 5 take 1 s to invoice.
     """
     await TOPOLOGY.provision(env.js, env.names)
     _add_errors(env)
@@ -180,6 +191,8 @@ async def playground(env: Any) -> None:
         key = str(order_id)
         kind = "refused" if key.endswith("4") else "transient" if key.endswith("3") else "normal"
         service.attempt(key, kind, customer="c-" + key.split("-")[-1].rjust(4, "0"), outage=0.6)
+        if key.endswith("5"):
+            await asyncio.sleep(1.0)  # a big invoice: longer than ack_wait
         print(f"invoice sent for {key}")
 
     env.send_invoice = send_invoice
@@ -220,6 +233,7 @@ class Plan:
     crashes: list[tuple[str, int]]  # (kind, call number within that incarnation)
     final: list[str]  # what each request published with the last incarnation is: normal, transient, refused
     outages: list[float]  # seconds each transient request stays unavailable, in order
+    slow: float  # seconds the invoicing service takes over the big invoice
 
     @classmethod
     def draw(cls, seed: int) -> Plan:
@@ -230,7 +244,8 @@ class Plan:
         final = ["normal"] * FINAL_NORMAL + ["transient"] * TRANSIENT + ["refused"] * REFUSED
         rng(seed, "final_order").shuffle(final)
         outage = rng(seed, "outage")
-        return cls(crashes, final, [round(outage.uniform(*OUTAGE), 2) for _ in range(TRANSIENT)])
+        slow = round(rng(seed, "slow").uniform(*SLOW), 2)
+        return cls(crashes, final, [round(outage.uniform(*OUTAGE), 2) for _ in range(TRANSIENT)], slow)
 
     def faults(self, incarnation: int) -> list[Crash]:
         if incarnation >= len(self.crashes):
@@ -255,6 +270,7 @@ class Request:
     customer: str
     published: float
     outage: float = 0.0
+    takes: float = 0.0  # seconds the service takes to issue its invoice (the big one only)
 
 
 class Billing:
@@ -274,6 +290,7 @@ class Billing:
         self.early_confirmed = False  # a report proven to have come before its ack
         self.drained_at = 0.0  # when the durable was first seen with nothing left (and the reports in)
         self.clean_since = 0.0
+        self.taken: list[tuple[float, int]] = []  # (when, delivery #) the grader's colleague got the big request
         run.on("send_invoice", self.on_send_invoice)
         run.on("invoice_sent", self.on_quiet)
         run.on("settled", self.on_settled)
@@ -289,7 +306,8 @@ class Billing:
             outage = self.outages.pop(0) if kind == "transient" else 0.0
             body = {"order_id": key, "customer": customer, "amount": 40 + 5 * number}
             seq = await TOPOLOGY.publish(self.run, json.dumps(body).encode())
-            request = Request(key, seq, kind, customer, time.time(), outage)
+            takes = self.plan.slow if kind == "slow" else 0.0
+            request = Request(key, seq, kind, customer, time.time(), outage, takes)
             self.requests[key] = request
 
     def keys(self, *kinds: str) -> list[str]:
@@ -297,7 +315,7 @@ class Billing:
 
     # --- the invoicing service, the dashboard, the billing team ---------------------------------
 
-    async def on_send_invoice(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+    async def on_send_invoice(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> float:
         from msglab.grading.harness import Refuse
 
         request = self.requests.get(key or "")
@@ -309,9 +327,12 @@ class Billing:
             self.run.record_effect(child, "send_invoice", key, outcome=outcome, call=call)
             raise Refuse(type(refused).__name__, str(refused)) from None
         self.run.record_effect(child, "send_invoice", key, outcome="sent", call=call)
+        return request.takes if request is not None else 0.0  # the learner's side waits this long
 
     async def on_quiet(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
-        return None  # only a counted point for the nemesis
+        request = self.requests.get(key or "")
+        if request is not None and request.takes:  # when the big invoice was done (rule 1 and the claim check)
+            self.run.record_effect(child, "invoice_done", key, call=call)
 
     async def on_settled(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
         request = self.requests.get(key or "")
@@ -484,6 +505,58 @@ class Billing:
         )
         return (retried or bool(self.unexplained())) and not self.reports_due()
 
+    async def slow_invoice(self, current: Child | None) -> Child | None:
+        """The big invoice: the service takes longer than ack_wait over it while the grader, as a second worker of
+        the group, asks the durable for work. A worker that keeps its claim leaves that worker nothing to take."""
+        planned = rules.Planned(
+            f"make the invoicing service take {self.plan.slow:.2f} s (longer than ack_wait, {ACK_WAIT:.1f} s) over"
+            " one invoice while another worker of the group asks for work",
+            "every request your worker takes must go to env.send_invoice, one call per request",
+        )
+        self.run.planned.append(planned)
+        if current is None or gone(current):
+            if current is not None:
+                await self.spawns.stop(current)
+            current = await self.spawns.release()
+        await self.publish(["slow"])
+        key = self.keys("slow")[0]
+        if current is None:
+            planned.seen = "no worker was left to run"
+            return None
+        child = current
+        await self.run.wait_for(lambda: bool(self.calls("send_invoice", key)) or gone(child), LATE_DEADLINE)
+        if not self.invoices(key):
+            planned.seen = f"no worker of yours had called env.send_invoice for {key} {LATE_DEADLINE:.0f} s later"
+            return current
+        planned.fired = True
+        seq = self.requests[key].seq
+        deadline = time.monotonic() + self.plan.slow + LATE_DEADLINE
+        sub = await self.run.js.pull_subscribe_bind(DURABLE, STREAM)
+
+        def done() -> bool:
+            return gone(child) or bool(self.watch.settled_on_broker(seq) and not self.reports_due())
+
+        held: Any = None
+        try:  # the colleague: takes what the broker hands it, and never invoices it
+            while time.monotonic() < deadline and held is None and not done():
+                try:
+                    msgs = await sub.fetch(1, timeout=COLLEAGUE_PULL)
+                except TimeoutError:
+                    continue
+                for msg in msgs:
+                    if msg.metadata.sequence.stream == seq:
+                        self.taken.append((time.time(), msg.metadata.num_delivered))
+                        held = msg
+            # It keeps what it took claimed until your worker's ack settles it, so the lost claim costs nothing
+            # beyond this check's evidence (rule 7): no third delivery, no second invoice of yours.
+            while held is not None and time.monotonic() < deadline and not done():
+                await held.in_progress()
+                await self.run.wait_for(done, COLLEAGUE_PULL)
+        finally:
+            await sub.unsubscribe()
+        await self.run.wait_for(done, max(0.0, deadline - time.monotonic()))
+        return current
+
     # --- traces ---------------------------------------------------------------------------------
 
     def trace(self, key: str) -> list[str]:
@@ -508,6 +581,8 @@ class Billing:
                 had = "the broker had its ack" if event.detail.get("acked") else "the broker had NO ack for it yet"
                 had = had if event.detail.get("confirmed") or event.detail.get("acked") else "no ack seen for it yet"
                 steps.add(event.ts, f"{who} called env.settled ({had})")
+            elif event.kind == "effect" and event.name == "invoice_done":
+                steps.add(event.ts, f"{who}'s env.send_invoice returned: the invoicing service was done")
             elif event.kind == "effect" and event.name == "reject":
                 steps.add(event.ts, f"{who} called env.reject")
             elif event.kind == "crash":
@@ -515,9 +590,12 @@ class Billing:
                 steps.add(event.ts, f"{who} SIGKILLed by the grader {WHERE[kind]}")
         if request is not None:
             for ack in self.watch.of(request.seq):
-                if ack.kind == "progress":
+                if ack.kind == "progress" and request.kind != "slow":
                     continue
                 steps.add(ack.ts, f"broker got {an(ack.kind)} for delivery #{ack.delivered}")
+            if request.kind == "slow":
+                for ts, delivered in self.taken:
+                    steps.add(ts, f"broker handed it to another worker of the group (delivery #{delivered})")
         return steps.lines()
 
 
@@ -548,6 +626,8 @@ async def grade(run: Run) -> list[Check]:
             late = lab.keys("late")[0]
             if current is not None:
                 await run.wait_for(functools.partial(lab.late_done, current, late), LATE_DEADLINE)
+        async with phase("slow invoice"):  # longer than ack_wait, with another worker of the group asking for work
+            await lab.slow_invoice(current)
     finally:
         await lab.spawns.cancel()
     await lab.spawns.settle()  # so the platform's rule-3 check sees a process that ended on its own
@@ -559,6 +639,7 @@ async def grade(run: Run) -> list[Check]:
         _settled_check(lab),
         _refused_check(lab),
         _spaced_check(lab),
+        _claim_check(lab),
         _acked_check(lab, info),
         rules.survives_idle(run.at, proof, current, handled_by, lab.trace(late), IDLE_WORDS),
         _guarantees_check(lab),
@@ -583,7 +664,7 @@ def _deaths(lab: Billing) -> list[Child]:
 
 def _lost_check(lab: Billing, info: Any) -> Check:
     title = "every request the invoicing service can take is invoiced, whatever crashed (none lost)"
-    keys = lab.keys("normal", "transient")
+    keys = lab.keys("normal", "transient", "slow")
     counts = lab.counts()
     lost = [k for k in keys if not counts.get(k)]
     if not lost:
@@ -707,7 +788,7 @@ def _settled_check(lab: Billing) -> Check:
                 came_back.append((crash, again))
     missing = [
         k
-        for k in lab.keys("normal", "transient", "late")
+        for k in lab.keys("normal", "transient", "late", "slow")
         if lab.invoices(k) and not lab.calls("settled", k) and not lab.report_cut_short(k)
     ]
     if not (phantom or early or came_back or missing):
@@ -884,8 +965,61 @@ def _spaced_check(lab: Billing) -> Check:
     return Check("retries_spaced", title, False, message, trace=lab.trace(key), hint=hint)
 
 
+def _claim_check(lab: Billing) -> Check:
+    """The big invoice kept its claim: while the service worked on it, the broker did not deliver it again."""
+    title = "an invoice that takes longer than ack_wait keeps its claim: nobody else is handed it meanwhile"
+    slow = lab.keys("slow")
+    if not slow or not lab.invoices(slow[0]):
+        return Check("keeps_claim", title, True)  # never tried: rule 1 (faults_fired) says so
+    key = slow[0]
+    run, request = lab.run, lab.requests[key]
+    first = lab.invoices(key)[0]
+    done = [e for e in lab.calls("invoice_done", key) if e.pid == first.pid]
+    until = done[0].ts if done else float("inf")
+    again = [e for e in lab.calls("send_invoice", key) if first.ts < e.ts < until]
+    if not lab.taken and not again:
+        return Check("keeps_claim", title, True)
+    theirs = {delivered for _, delivered in lab.taken}  # the colleague's own signs are not your worker's
+    beats = [
+        a
+        for a in lab.watch.of(request.seq)
+        if a.kind == "progress" and first.ts <= a.ts <= until and a.delivered not in theirs
+    ]
+    signs = f"only {plural(len(beats), 'sign')} that it was still on it" if beats else "no sign that it was still on it"
+    message = (
+        f"the invoicing service took {request.takes:.2f} s over {key}'s invoice (ack_wait is {ACK_WAIT:.1f} s); your"
+        f" worker {first.pid} started it at {run.at(first.ts)} and sent the broker {signs} while it waited."
+    )
+    if lab.taken:
+        ts, delivered = lab.taken[0]
+        message += (
+            f"\nAt {run.at(ts)} the broker handed {key} (delivery #{delivered}) to another worker of the group that"
+            " asked for work (the grader's own): that worker would invoice it a second time."
+        )
+        later = [a for a in lab.watch.of(request.seq) if a.kind in ("ack", "term") and a.ts > ts]
+        if later:
+            message += (
+                f" Your worker's ack at {run.at(later[0].ts)} then settled that other worker's delivery too: had that"
+                " worker died before invoicing, nobody would ever invoice it."
+            )
+    else:
+        message += (
+            f"\nYour worker called env.send_invoice({key!r}) again at {run.at(again[0].ts)}, while its first call was"
+            " still running: the broker had delivered it again."
+        )
+    hint = (
+        "while a call that takes longer than ack_wait runs, tell the broker every so often (well within ack_wait)"
+        " that the request is still yours, from alongside the call: a sign sent only before or after it comes too late"
+    )
+    return Check("keeps_claim", title, False, message, trace=lab.trace(key), hint=hint)
+
+
 def _acked_check(lab: Billing, info: Any) -> Check:
-    stuck = [r.key for r in lab.requests.values() if r.kind != "late" and lab.watch.settled_on_broker(r.seq) is None]
+    stuck = [
+        r.key
+        for r in lab.requests.values()
+        if r.kind not in ("late", "slow") and lab.watch.settled_on_broker(r.seq) is None
+    ]
     refused = [k for k in stuck if lab.requests[k].kind == "refused"]
     hint = "ack each request once its invoice went out, on the durable env.durable('invoicer')"
     if refused and len(stuck) == len(refused):

@@ -10,7 +10,8 @@ What your worker is handed in `env` (by the grader, or by the lab notebook):
   env.js                         a JetStream context (env.nc is its connection)
   env.stream("BILLING")          the stream of invoice requests (it exists already)
   env.durable("invoicer")        your durable consumer on it (it exists already; ack_wait 0.4 s)
-  await env.send_invoice(oid)    asks the invoicing service to issue the invoice for order oid;
+  await env.send_invoice(oid)    asks the invoicing service to issue the invoice for order oid (a big
+                                 one takes it longer than ack_wait);
                                  when it does not, it raises env.ServiceUnavailable or
                                  env.AccountClosed (both subclasses of env.InvoicingError)
   env.settled(oid)               the billing dashboard counts oid's invoice as done
@@ -19,6 +20,7 @@ What your worker is handed in `env` (by the grader, or by the lab notebook):
 Check your work:  msglab check 02   (or run the last cell of lab.ipynb)
 """
 
+import asyncio
 import json
 
 AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE = "at-most-once", "at-least-once", "effectively-once"
@@ -46,10 +48,29 @@ async def invoice_worker(env) -> None:
             await handle(env, msg)
 
 
+async def keep_claim(msg, work):
+    """Await `work`, telling the broker every 0.1 s (well within ack_wait, 0.4 s) that msg is still being worked on.
+
+    An invoice can take longer than ack_wait; without a sign of life the broker hands the request to another
+    worker while this one still works on it. The sign must go out while the call runs, so it runs beside it.
+    """
+
+    async def beat():
+        while True:
+            await asyncio.sleep(0.1)
+            await msg.in_progress()  # restarts the redelivery timer: nobody else is handed the request meanwhile
+
+    beating = asyncio.create_task(beat())
+    try:
+        return await work
+    finally:
+        beating.cancel()
+
+
 async def handle(env, msg) -> None:
     order_id = json.loads(msg.data)["order_id"]
     try:
-        await env.send_invoice(order_id)
+        await keep_claim(msg, env.send_invoice(order_id))
     except env.ServiceUnavailable:
         # The service cannot take it *now*; the same request will go through later. No ack: after
         # ack_wait the broker delivers it again. Acking here would lose the invoice for good.

@@ -2,10 +2,12 @@
 (charge, `ack_sync()`, then report), the failure cells' `nak()` for a failure that may pass and
 `term()` for one that never will, and the guarantees the lesson's table names. The invoicing
 service is restarting: the immediate `nak()` is the lesson's own hot loop, hundreds of tries a
-second at a service that is trying to come back up.
+second at a service that is trying to come back up. And the lesson's heartbeat lived in a loop
+of the job's own steps; here the long wait is one call, and nothing keeps the big invoice's claim.
 
-Expect: fail retries_spaced
+Expect: fail retries_spaced, keeps_claim
 Says: hot loop
+Says: another worker of the group
 """
 
 import json

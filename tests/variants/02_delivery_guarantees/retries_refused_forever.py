@@ -8,6 +8,7 @@ Says: env.reject
 Says: can never be invoiced
 """
 
+import asyncio
 import json
 
 AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE = "at-most-once", "at-least-once", "effectively-once"
@@ -22,6 +23,21 @@ GUARANTEES = {
 }
 
 
+async def beating(msg, call):
+    """Await call while a side task tells the broker msg is still in progress (the invoice can outlast ack_wait)."""
+    task = asyncio.create_task(_beat(msg))
+    try:
+        return await call
+    finally:
+        task.cancel()
+
+
+async def _beat(msg):
+    while True:
+        await asyncio.sleep(0.1)
+        await msg.in_progress()
+
+
 async def invoice_worker(env) -> None:
     sub = await env.js.pull_subscribe_bind(env.durable("invoicer"), env.stream("BILLING"))
     while True:
@@ -32,7 +48,7 @@ async def invoice_worker(env) -> None:
         for msg in msgs:
             order_id = json.loads(msg.data)["order_id"]
             try:
-                await env.send_invoice(order_id)
+                await beating(msg, env.send_invoice(order_id))
             except env.InvoicingError:
                 continue  # no ack: it comes back after ack_wait, and maybe then it works
             await msg.ack_sync()

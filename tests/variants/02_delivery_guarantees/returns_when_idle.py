@@ -6,6 +6,7 @@ Says: returned on its own
 Says: ask again
 """
 
+import asyncio
 import json
 
 AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE = "at-most-once", "at-least-once", "effectively-once"
@@ -20,6 +21,21 @@ GUARANTEES = {
 }
 
 
+async def beating(msg, call):
+    """Await call while a side task tells the broker msg is still in progress (the invoice can outlast ack_wait)."""
+    task = asyncio.create_task(_beat(msg))
+    try:
+        return await call
+    finally:
+        task.cancel()
+
+
+async def _beat(msg):
+    while True:
+        await asyncio.sleep(0.1)
+        await msg.in_progress()
+
+
 async def invoice_worker(env) -> None:
     sub = await env.js.pull_subscribe_bind(env.durable("invoicer"), env.stream("BILLING"))
     while True:
@@ -30,7 +46,7 @@ async def invoice_worker(env) -> None:
         for msg in msgs:
             order_id = json.loads(msg.data)["order_id"]
             try:
-                await env.send_invoice(order_id)
+                await beating(msg, env.send_invoice(order_id))
             except env.ServiceUnavailable:
                 continue
             except env.AccountClosed as err:

@@ -4,6 +4,7 @@ the ack, so the ack is on the server before the dashboard hears of it; term() fo
 Expect: pass
 """
 
+import asyncio
 import json
 
 AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE = "at-most-once", "at-least-once", "effectively-once"
@@ -18,6 +19,24 @@ GUARANTEES = {
 }
 
 
+class Heartbeat:
+    """While the block runs, tell the broker every 0.15 s that msg is still being worked on."""
+
+    def __init__(self, msg):
+        self.msg = msg
+
+    async def _beat(self):
+        while True:
+            await asyncio.sleep(0.15)
+            await self.msg.in_progress()
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self._beat())
+
+    async def __aexit__(self, *exc):
+        self.task.cancel()
+
+
 async def invoice_worker(env) -> None:
     sub = await env.js.pull_subscribe_bind(env.durable("invoicer"), env.stream("BILLING"))
     while True:
@@ -28,7 +47,8 @@ async def invoice_worker(env) -> None:
         for msg in msgs:
             order_id = json.loads(msg.data)["order_id"]
             try:
-                await env.send_invoice(order_id)
+                async with Heartbeat(msg):  # the invoice can take longer than ack_wait
+                    await env.send_invoice(order_id)
             except env.ServiceUnavailable:
                 continue
             except env.AccountClosed as err:

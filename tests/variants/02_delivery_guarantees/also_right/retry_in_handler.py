@@ -1,7 +1,8 @@
 """Also right, shaped differently: a request the service cannot take now is retried inside the
 handler, a pause between tries, while the worker tells the broker it is still on it (so the
-request is not delivered again meanwhile); after a few tries it is nak'ed with a delay. The
-closed account is reported, then terminated.
+request is not delivered again meanwhile), also while a call is running (polled with
+asyncio.wait); after a few tries it is nak'ed with a delay. The closed account is reported, then
+terminated.
 
 Expect: pass
 """
@@ -24,11 +25,21 @@ PAUSE = 0.15  # between two tries of one request
 TRIES = 4  # in the handler, before the request goes back to the broker
 
 
+async def watched(msg, call):
+    """Await call; each time 0.15 s pass without an answer, tell the broker msg is still in progress."""
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.15)
+        if done:
+            return task.result()  # raises what the call raised
+        await msg.in_progress()
+
+
 async def try_invoice(env, msg, order_id) -> bool:
     """True once the invoice went out; False if the service still says 'not now' after TRIES tries."""
     for attempt in range(TRIES):
         try:
-            await env.send_invoice(order_id)
+            await watched(msg, env.send_invoice(order_id))
             return True
         except env.ServiceUnavailable:
             if attempt + 1 < TRIES:

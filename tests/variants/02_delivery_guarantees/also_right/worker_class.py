@@ -1,9 +1,11 @@
 """Also right, shaped differently: a class with helpers, an async generator that yields requests
-forever, and a table from error class to what to do with the request.
+forever, a table from error class to what to do with the request, and a heartbeat that an
+asyncio.Event stops.
 
 Expect: pass
 """
 
+import asyncio
 import json
 
 AT_MOST_ONCE, AT_LEAST_ONCE, EFFECTIVELY_ONCE = "at-most-once", "at-least-once", "effectively-once"
@@ -39,9 +41,28 @@ class Invoicer:
     def decide(self, err):
         return next((what for cls, what in self.on_error.items() if isinstance(err, cls)), RETRY)
 
+    @staticmethod
+    async def claimed(msg, call):
+        """Run call; until it ends, the broker hears every 0.1 s that msg is still being worked on."""
+        done = asyncio.Event()
+
+        async def heartbeat():
+            while not done.is_set():
+                try:
+                    await asyncio.wait_for(done.wait(), 0.1)
+                except TimeoutError:
+                    await msg.in_progress()
+
+        beats = asyncio.create_task(heartbeat())
+        try:
+            return await call
+        finally:
+            done.set()
+            await beats
+
     async def invoice(self, order_id, msg):
         try:
-            await self.env.send_invoice(order_id)
+            await self.claimed(msg, self.env.send_invoice(order_id))
         except self.env.InvoicingError as err:
             if self.decide(err) == GIVE_UP:
                 self.env.reject(order_id, f"{type(err).__name__}: {err}")
