@@ -7,12 +7,30 @@ SIGKILLs the child's whole process group before recording the effect ("before") 
 ("after"), and logs the crash: no cleanup runs, no buffer is flushed, no ack is sent, exactly
 like a machine losing power. Because the grader pulls the trigger itself, it knows which
 planned faults fired; a run whose faults did not fire cannot pass (see msglab.grading).
+
+A seed is public (it is printed with every verdict and typed on command lines), and this module's
+code is importable by learner code, so a plan drawn from the seed alone could be rebuilt by the
+learner's process. A run draws its plan from `plan_seed(seed)` instead: an HMAC of the seed under
+a key of this installation (`plan_key`, a file only the grader's user can read, made on first use).
+The same seed on the same installation gives the same plan, so replays reproduce.
+
+What holds: when the grader is root, learner code runs as a user of its own and cannot read the
+key (nor the grader's memory: learner processes are forks of a nursery that never loads it). When
+the grader is not root, learner code runs as the grader's own user and could read the key file:
+self-study trusts the learner with their own grading.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
+import os
 import random
+import secrets
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 WHEN = ("before", "after")  # before the effect is recorded, or after it
 
@@ -36,3 +54,84 @@ class Crash:
 def rng(seed: int, stream: str) -> random.Random:
     """An independent random stream per purpose, so adding one draw never shifts another."""
     return random.Random(f"{seed}:{stream}")
+
+
+KEY_BYTES = 32
+# Whether runs draw plans from plan_seed(seed) (harness.Run.seed). Off until the tests that draw a
+# run's plan from its public seed (test_grader_02's batch seed, test_grader_03's race) use plan_seed.
+KEYED_PLANS = False
+
+
+def key_file() -> Path:
+    """Where this installation's plan key lives: var/plan.key in the course root (not in git)."""
+    from msglab.catalog import course_root
+
+    return course_root() / "var" / "plan.key"
+
+
+_key: list[bytes] = []  # this process's key, once read
+
+
+def plan_key(path: Path | None = None) -> bytes:
+    """This installation's secret for fault plans: read from `key_file()`, made on first use (0600, the
+    grader's user). A file that is not the grader's own (a symlink, another user's, readable by others,
+    the wrong size: planted or damaged) is replaced, never used.
+    """
+    if _key and path is None:
+        return _key[0]
+    path = path or key_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = _read_key(path)
+    for _attempt in range(3):
+        if key is not None:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.lexists(path):
+                os.unlink(path)  # not ours, or not a key: it must never decide a plan
+        _make_key(path)
+        key = _read_key(path)
+    if key is None:
+        raise PermissionError(f"{path}: no usable fault-plan key (it keeps being replaced)")
+    if path == key_file():
+        _key[:] = [key]
+    return key
+
+
+def _read_key(path: Path) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a symlink (ELOOP) or worse
+        return None
+    try:
+        info = os.fstat(fd)
+        ours = stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077
+        data = os.read(fd, KEY_BYTES + 1) if ours else b""
+    finally:
+        os.close(fd)
+    return data if len(data) == KEY_BYTES else None
+
+
+def _make_key(path: Path) -> None:
+    """Write a fresh key whole, then link it into place: a reader never sees half a key, and of two
+    processes making one at once, the first link wins and the other reads it."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, secrets.token_bytes(KEY_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(temporary)
+
+
+def plan_seed(seed: int) -> int:
+    """The seed a run draws its fault plan from: the public seed under this installation's key."""
+    digest = hmac.new(plan_key(), f"msglab-plan:{seed}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big")
