@@ -19,15 +19,19 @@ Workload (seeded), 12 orders, each with a sku of its own, in phases:
   4. email worker #2 is released and SIGKILLed at its email #1-#3 (the other of before/after);
      meanwhile the second service process places one order the inventory never answers
      (silent): refused with InventoryUnavailable, after env.request_timeout and not before;
-  5. email worker #3 is released and catches up; once the durable is drained and #3 has asked
-     again after an empty fetch (seen on the broker), a late order: #3 itself must email it.
+  5. email worker #3 is released and catches up, while the email provider refuses its first
+     OUTAGE_CALLS env.send_email calls (ConnectionError, nothing sent; a planned fault); once the
+     durable is drained and #3 has asked again after an empty fetch (seen on the broker), a late
+     order: #3 itself must email it.
 
 Invariants judged on the effect log, the stream, the consumers and the acks the broker saw:
 an order is accepted exactly when stock was confirmed and the stream stored its event, whatever
 email and loyalty do; refusals name the cause (OutOfStock, InventoryUnavailable) and come at the
 right time; refused orders are never announced; every accepted order is emailed and reaches
 loyalty exactly once; an extra email only where rule 6 allows it (`rules.allowance`: a worker
-that emailed it ended before the broker had its ack); the durable 'email' ends drained
+that emailed it ended before the broker had its ack, and had not gone on to an order placed after
+that email); every email the provider refused goes out later and the worker lives on
+(`survives_email_outage`, the step lesson 01 does not show); the durable 'email' ends drained
 (`all_acked`); the running worker survives a quiet spell (`survives_idle`, rule 2). Rules 1 and 3
 (`faults_fired`, `no_unplanned_deaths`) are the platform's, added by grade.py.
 """
@@ -385,6 +389,7 @@ class Stream:
         self.run = run
         self.events: dict[int, tuple[str, str | None, float]] = {}  # seq -> (subject, order id, first seen)
         self.scanned = 0
+        self.placed_at: dict[str, float] = {}  # order id -> when place_order was called for it (no event before)
         self._lock = asyncio.Lock()
 
     async def scan(self) -> None:
@@ -446,6 +451,7 @@ class OrderDesk:
         if not child.alive:  # stopped for a hung call: a fresh process for the next order
             child = self.children[order.service] = await self.run.spawn("orders", params=PARAMS)
         order.started = time.time()
+        self.stream.placed_at[order.id] = order.started
         order.reply = await child.call("place_order", CALL_DEADLINE, order=order.body)
         order.ended = time.time()
         self.hung += order.reply.hung
@@ -622,8 +628,28 @@ def _awards(run: Run) -> dict[str, list[Any]]:
 
 
 def _allowance(run: Run, watch: BrokerWatch, stream: Stream, ended: dict[int, float], oid: str) -> rules.Allowance:
-    """Rule 6 for one order's emails (rules.allowance), over its events on orders.placed."""
-    return rules.allowance(ended, _emails(run).get(oid, []), watch, stream.seqs(oid))
+    """Rule 6 for one order's emails (rules.allowance), over its events on orders.placed.
+
+    Only for a delivery the killed worker was still working on: one that emailed an order placed after
+    this order's email had fetched again since, so it was done with this one (its ack held back).
+    """
+
+    def moved_on(pid: int, ts: float) -> bool:
+        return _moved_on(run, stream, pid, ts) is not None
+
+    return rules.allowance(ended, _emails(run).get(oid, []), watch, stream.seqs(oid), moved_on)
+
+
+def _moved_on(run: Run, stream: Stream, pid: int, ts: float) -> Any:
+    """The first email `pid` sent after `ts` for an order placed after `ts` (new work), or None."""
+    return next(
+        (
+            e
+            for e in run.log.events("effect", "send_email")
+            if e.pid == pid and e.ts > ts and stream.placed_at.get(str(e.key), 0.0) > ts
+        ),
+        None,
+    )
 
 
 def _allowed(allowance: rules.Allowance, watch: BrokerWatch) -> int:
@@ -1135,7 +1161,7 @@ def _lost_check(ev: Evidence) -> Check:
 
 
 def _duplicate_check(ev: Evidence) -> Check:
-    title = "no order is emailed twice, except where a worker was killed before its ack"
+    title = "no order is emailed twice, except for an event a killed worker was still working on"
     emails = _emails(ev.run)
     extra = _email_excess(ev.run, ev.watch, ev.stream, ev.email.ended)
     if not extra:
@@ -1150,12 +1176,28 @@ def _duplicate_check(ev: Evidence) -> Check:
         f"{plural(len(extra), 'order')} emailed more often than the crashes explain: {oid} {len(sent)} times "
         f"(by {who}); allowed {_allowed(allowance, ev.watch)}{why if ev.watch.pulls else ''}."
     )
+    # Workers that ended holding it, but had gone on to orders placed after its email: not excused.
+    unexcused = rules.allowance(ev.email.ended, sent, ev.watch, ev.stream.seqs(oid)).held
+    moved = [pid for pid in unexcused if pid not in allowance.held]
     if not ev.watch.pulls:
         message += (
             f"\nThe durable '{EMAIL}' never delivered {oid}: no worker ever asked it for events. A consumer of your "
             "own starts again from the start of the stream each time a worker restarts."
         )
         hint = f"bind the email worker to the durable env.durable('{EMAIL}'): it remembers what was acked"
+    elif moved and any(a.kind == "ack" for a in ev.watch.acks):  # it does ack, only too late
+        mine = [e for e in sent if e.pid == moved[0]]
+        later = _moved_on(ev.run, ev.stream, moved[0], mine[-1].ts)
+        placed = ev.at(ev.stream.placed_at[str(later.key)])
+        message += (
+            f"\n{ev.label(moved[0])} emailed {oid} at {ev.at(mine[-1].ts)} and went on to email {later.key} (placed at "
+            f"{placed}, after that) before it ended, yet the broker never had {oid}'s "
+            "ack: the worker was done with it, and its ack was held back. A crash excuses a second email only for an "
+            "event the worker was still working on."
+        )
+        hint = (
+            "ack each event once its email went out, before you take new ones: an ack held back is lost with the worker"
+        )
     elif allowance.deliveries is None:
         message += (
             f"\nNo ack for {oid} ever reached the broker, so it delivered the event again after every ack_wait "
