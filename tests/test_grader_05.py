@@ -25,6 +25,7 @@ ALL = {
     "status_from_level_and_trend",
     "refuses_over_budget",
     "refuses_only_over_budget",
+    "promise_kept",
     "busy_when_stream_full",
     "no_accepted_order_lost",
     "faults_fired",
@@ -49,13 +50,24 @@ def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
     assert all(c.message and c.hint for c in verdict.failures)
 
 
-def test_refusing_by_depth_is_caught_on_the_deep_young_queue(no_nats_url: None) -> None:
+def test_refusing_by_depth_breaks_the_promise_in_the_rush(no_nats_url: None) -> None:
     verdict = grade("05", source=VARIANTS / "refuses_by_depth.py", seed=4)
-    check = failure(verdict, "refuses_only_over_budget")
-    assert "deep" in check.message and "depth" in check.hint, verdict.to_text()
+    check = failure(verdict, "promise_kept")
+    assert "during the rush waited longer than the budget" in check.message, verdict.to_text()
+    assert "depth / drain rate" in check.hint
     assert not {"age_tracks_truth", "not_fooled_by_depth", "status_from_level_and_trend"} & {
         c.name for c in verdict.failures
     }
+
+
+def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url: None) -> None:
+    # Lesson 05's own cells (BUSY only once the age is over the budget): the orders accepted while the age was still
+    # under it wait about k times the budget; a forecast (the solution) keeps the promise on the same seed.
+    copied = grade("05", source=VARIANTS / "from_lesson.py", seed=7)
+    assert {c.name for c in copied.failures} == {"promise_kept"}, copied.to_text()
+    check = failure(copied, "promise_kept")
+    assert "the age was under the budget when you accepted it" in check.hint and "Little's law" in check.hint
+    assert grade("05", seed=7, source=Path(__file__).parents[1] / "solutions" / "05_backpressure" / "intake.py").passed
 
 
 def test_plan_replays_from_its_seed() -> None:
@@ -142,7 +154,11 @@ def test_playground_lets_a_learner_stall_the_workers_by_hand(no_nats_url: None) 
             await env.workers.close()
             await msglab.playground_close(env)
 
-    assert asyncio.run(by_hand(solution=True)) == ["accepted"] * 3 + ["busy", "accepted"]
+    # The first order meets an empty queue; with every worker stalled nothing is being finished, so the solution's
+    # forecast refuses the next ones (a learner comparing the age alone accepts them: both are the learner's call);
+    # over the budget everyone refuses, and once drained everyone accepts.
+    answers = asyncio.run(by_hand(solution=True))
+    assert answers[0] == "accepted" and answers[3:] == ["busy", "accepted"], answers
 
 
 def test_the_learner_may_publish_orders_and_read_the_queue_and_nothing_more(no_nats_url: None, tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def queue_status(samples, budget) -> str:
 
 async def place_order(env, order) -> str:
     """ACCEPTED once the order is safely queued; BUSY when the shop cannot keep its promise now."""
-    # TODO: Refuse with BUSY while the oldest unfinished order has waited longer than env.age_budget, and accept again as soon as it has not.
+    # TODO: Keep the promise to each order: BUSY for an order the workers would not finish within env.age_budget of storing it, and always while the queue age is over that budget; ACCEPTED whenever the shop can keep it, again as soon as the queue has recovered.
     # TODO: Answer ACCEPTED only for an order the stream has stored, so that a SIGKILL right after the answer loses nothing.
     # TODO: Answer BUSY when the stream refuses the order because it is full, instead of raising.
     _outbox(env).put_nowait(order)  # answer at once: a background task publishes it

@@ -17,12 +17,17 @@ What the grader (or the lab notebook) hands you in `env`:
 Check your work:  msglab check 05   (or the last cell of lab.ipynb)
 """
 
+import asyncio
 import json
+import math
 import time
+from collections import deque
 
 from nats.js.errors import APIError, NotFoundError
 
 ACCEPTED, BUSY = "accepted", "busy"
+RATE_WINDOW = 1.0  # seconds of calls the drain rate is measured over ...
+RATE_SPAN = 0.1  # ... and at least this many
 
 
 async def queue_depth(env) -> int:
@@ -58,6 +63,8 @@ async def place_order(env, order) -> str:
     """ACCEPTED once the stream has stored the order; BUSY when the shop cannot keep its promise now."""
     if await queue_age(env) > env.age_budget:
         return BUSY  # the oldest order already waits longer than we promise: say so now
+    if await forecast_wait(env) > env.age_budget:
+        return BUSY  # not broken yet, but an order placed now would wait too long
     try:
         await env.js.publish(env.subject("orders.placed"), json.dumps(order).encode())
     except APIError as exc:
@@ -65,3 +72,25 @@ async def place_order(env, order) -> str:
             return BUSY
         raise
     return ACCEPTED
+
+
+async def forecast_wait(env) -> float:
+    """Seconds an order placed now would wait: the orders ahead of it, and itself, over the rate the workers
+    finish them (Little's law; the age trails this wait by the ratio of arrivals to drain rate). The rate is
+    measured from the durable's count of finished deliveries over this process's calls of the last second."""
+    readings = env.__dict__.setdefault("finished_readings", deque())
+    while True:
+        info = await env.js.consumer_info(env.stream("ORDERS"), env.durable("fulfil"))
+        depth = info.num_pending + info.num_ack_pending
+        now, finished = time.monotonic(), info.delivered.consumer_seq - info.num_ack_pending
+        readings.append((now, finished))
+        while len(readings) > 2 and now - readings[1][0] >= RATE_WINDOW:
+            readings.popleft()  # keep one reading at least RATE_WINDOW old, if there is one
+        if depth == 0:
+            return 0.0  # an empty queue always has room
+        if now - readings[0][0] >= RATE_SPAN:
+            break
+        await asyncio.sleep(RATE_SPAN)  # this process has no rate yet: measure one
+    then, finished_then = readings[0]
+    rate = (finished - finished_then) / (now - then)
+    return (depth + 1) / rate if rate > 0 else math.inf

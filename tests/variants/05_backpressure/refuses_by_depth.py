@@ -1,8 +1,10 @@
 """The monitor is right, but the intake refuses by depth: busy above 100 waiting orders.
 
-Right after the import the queue is deep and its oldest order a moment old: it drains at once.
-Depth is the wrong measure both ways; which way a run shows depends on how deep the queue gets.
-Expect: fail refuses_only_over_budget|refuses_over_budget
+A fixed depth limit assumes a drain rate: at one slow worker's pace, 100 orders are seconds of
+waiting, so the orders it accepts in the rush break the promise (and it accepts while the age is
+over the budget). Depth becomes a wait only divided by the rate the workers really finish orders.
+Expect: fail promise_kept
+Says: depth / drain rate
 """
 
 

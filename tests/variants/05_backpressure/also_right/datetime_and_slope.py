@@ -1,11 +1,16 @@
 """Written differently: the age from the server's clock as a timedelta, an early return on an empty
-queue, the trend as a slope, and the stream's refusal told apart by its class.
+queue, the trend as a slope, the stream's refusal told apart by its class, and admission by a forecast:
+a background task tracks how fast the ack floor advances, and an order is refused when the orders
+ahead of it would take longer than the budget at that pace.
 
 Expect: pass
 """
 
+import asyncio
+import collections
 import datetime
 import json
+import time
 
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
@@ -41,10 +46,41 @@ def queue_status(samples, budget) -> str:
     return "OK"
 
 
+class Pace:
+    """The ack floor's advance over the last half second, sampled every 50 ms by a task of its own."""
+
+    def __init__(self, env):
+        self.env = env
+        self.points = collections.deque(maxlen=11)
+        self.task = asyncio.ensure_future(self.run())
+
+    async def run(self):
+        while True:
+            info = await self.env.js.consumer_info(self.env.stream(STREAM), self.env.durable(DURABLE))
+            self.points.append((time.monotonic(), info.ack_floor.consumer_seq))
+            await asyncio.sleep(0.05)
+
+    def per_second(self):
+        if len(self.points) < 3:
+            return None
+        (t0, n0), (t1, n1) = self.points[0], self.points[-1]
+        return (n1 - n0) / (t1 - t0)
+
+
 async def place_order(env, order) -> str:
+    if not hasattr(env, "pace"):
+        env.pace = Pace(env)
     age = await queue_age(env)
     if age > env.age_budget:
         return BUSY
+    depth = await queue_depth(env)
+    if depth:
+        rate = env.pace.per_second()
+        if rate is None:  # no pace measured yet
+            if age > env.age_budget / 4:
+                return BUSY
+        elif rate <= 0 or (depth + 1) / rate > env.age_budget:
+            return BUSY
     try:
         ack = await env.js.publish(env.subject(SUBJECT), json.dumps(order).encode(), timeout=2)
     except ServiceUnavailableError:  # maximum messages exceeded: the stream is full

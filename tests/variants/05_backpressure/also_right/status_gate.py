@@ -1,4 +1,5 @@
-"""Written differently: a Monitor class, the intake admits by the monitor's own status, and every
+"""Written differently: a Monitor class, the intake admits by the monitor's own status on a budget of
+its own (a quarter of the promise: a margin for orders arriving faster than they are finished), and every
 order is published with its id as Nats-Msg-Id, so a retried publish is stored once.
 
 Expect: pass
@@ -63,7 +64,9 @@ def queue_status(samples, budget) -> str:
 
 async def place_order(env, order) -> str:
     now = _Reading(time.time(), await queue_age(env))
-    if queue_status([now], env.age_budget) == "ERROR":  # the promise is already broken
+    # Orders may arrive up to about five times as fast as they are finished (README), and a new order waits about
+    # that many times the age: the intake holds itself to a quarter of the budget.
+    if queue_status([now], env.age_budget / 4) == "ERROR":
         return BUSY
     try:
         await env.js.publish(
