@@ -583,8 +583,7 @@ class _Lab:
             "first": "published",
             "copy": "published again at once, as a second message (the checkout retried)",
             "day_later": "published again, as a new message, after the gateway's clock moved (a day later)",
-            "resent": "published again, as a new message, after the gateway's clock moved: the checkout never saw "
-            "it confirmed (a day later)",
+            "resent": "published again a day later, as a new message (the checkout never saw it confirmed)",
             "late": "published after the queue had been idle",
         }[label]
         self.step(pid, f"{said}: stream seq {sent.seq}", sent.ts)
