@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from attacks import ATTACKS, PRELUDE, Attack, mark_folder
 
 from msglab.catalog import Lab, all_labs
 from msglab.grading.grade import CLEANUP_TIMEOUT, GRADE_TIMEOUT, grade
-from msglab.grading.harness import RUN_PREFIX
+from msglab.grading.harness import RUN_PREFIX, runs_folder
 from msglab.grading.sandbox import Sandbox
 
 OWN_USER = Sandbox.for_this_machine().uid is not None
@@ -93,7 +92,7 @@ def test_hostile_submission_fails_in_time_and_leaves_nothing(
     assert not survivors, f"processes outlived the verdict: {survivors}"
     outcomes = [w for w in said if w.startswith("outcome ")]
     assert all(w.startswith("outcome refused") for w in outcomes), outcomes
-    assert not list(Path(tempfile.gettempdir()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
+    assert not list(Path(runs_folder()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
 
 
 @pytest.mark.parametrize("lab", LABS, ids=[lab.number for lab in LABS])

@@ -1,0 +1,160 @@
+"""Tricks on the grader's own side of a run (issue 15), each beside its control (the same wrong file
+without the trick): a run cannot read another run's submission or list the runs, and a file that
+blocks the grader (a FIFO where it reads a file) fails within the verdict's deadline, never hangs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "hostile"))
+from attacks import PRELUDE, mark_folder
+from grader_side import FIFO_FOR_THE_DATABASE, OUTSIDE_PROBE, READ_ANOTHER_RUN, REBUILD_THE_PLAN
+
+from msglab.catalog import Lab, all_labs
+from msglab.grading.grade import DEADLINE, grade
+from msglab.grading.harness import RUN_PREFIX, runs_folder
+from msglab.grading.sandbox import UID_RANGE, Sandbox
+from msglab.grading.verdict import Verdict
+
+OWN_USER = Sandbox.for_this_machine().uid is not None
+LABS = {lab.number: lab for lab in all_labs()}
+
+
+@pytest.fixture
+def mark() -> Iterator[Path]:
+    """A folder outside the run where the hostile code leaves what it saw."""
+    folder = mark_folder("msglab-grader-side-")
+    yield folder
+    for name in os.listdir(folder):
+        os.unlink(folder / name)
+    folder.rmdir()
+
+
+def _graded(lab: Lab, mark: Path, trick: str = "", seed: int = 1) -> Verdict:
+    folder = Path(tempfile.mkdtemp(prefix="msglab-grader-side-src-"))
+    path = folder / lab.file
+    path.write_text(lab.source(solution=False).read_text() + PRELUDE.format(mark=str(mark)) + trick)
+    try:
+        return grade(lab.number, source=path, seed=seed)
+    finally:
+        path.unlink()
+        folder.rmdir()
+
+
+def _said(mark: Path) -> list[str]:
+    return [(mark / n).read_text() for n in sorted(os.listdir(mark)) if not n.endswith(".part")]
+
+
+def _failed(verdict: Verdict) -> list[str]:
+    return [check.name for check in verdict.failures]
+
+
+@pytest.mark.skipif(
+    not OWN_USER, reason="runs of one user are that user's: only a user of its own per run separates them"
+)
+def test_two_runs_at_once_cannot_read_each_others_submission_or_list_the_runs(no_nats_url: None, mark: Path) -> None:
+    control = _graded(LABS["01"], mark)  # the starter fails for its own mistakes
+    for name in os.listdir(mark):
+        os.unlink(mark / name)
+    verdicts: list[Verdict] = []
+    outside: dict[str, str] = {}
+
+    def probe_from_outside() -> None:
+        """A third user, in no run's private /tmp: it knows both runs' paths, lists and reads nothing."""
+        import time
+
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            sources = [w[len("source ") :] for w in _said(mark) if w.startswith("source ")]
+            if len(sources) == 2:
+                break
+            time.sleep(0.05)
+        else:
+            return
+        uid = secrets.SystemRandom().randint(*UID_RANGE)
+        command = [sys.executable, "-I", "-c", OUTSIDE_PROBE, *sources]
+        done = subprocess.run(command, user=uid, group=uid, extra_groups=[], capture_output=True, text=True,
+                              timeout=30, cwd="/")  # fmt: skip
+        outside.update(json.loads(done.stdout or "{}"))
+
+    threads = [threading.Thread(target=lambda: verdicts.append(_graded(LABS["01"], mark, READ_ANOTHER_RUN)))
+               for _ in range(2)]  # fmt: skip
+    threads.append(threading.Thread(target=probe_from_outside))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(verdicts) == 2 and not any(v.passed for v in verdicts)
+    assert sorted(_failed(verdicts[0])) == sorted(_failed(control)) or not verdicts[0].passed
+    tried = [json.loads(w[len("tried ") :]) for w in _said(mark) if w.startswith("tried ")]
+    assert tried, _said(mark)
+    for attempt in tried:
+        assert attempt["own"].startswith("read "), attempt  # the control: a run reads its own source
+        assert attempt["others"] == 1 and attempt["other"].startswith("refused"), attempt
+        listed = attempt["runs"].split()[-1].split(",") if attempt["runs"].startswith("listed") else []
+        assert len(listed) <= 1, attempt  # at most its own folder, in its private /tmp
+    assert outside, "the outside probe never saw two runs at once"
+    assert all(v.startswith("refused") for v in outside.values()), outside
+    assert Path(runs_folder()).stat().st_mode & 0o777 == 0o711
+
+
+def test_a_fifo_in_place_of_the_database_fails_within_the_deadline(no_nats_url: None, mark: Path) -> None:
+    control = _graded(LABS["03"], mark)
+    assert not control.passed and "finishes" not in _failed(control), control.to_text()
+    verdict = _graded(LABS["03"], mark, FIFO_FOR_THE_DATABASE)
+    assert "swapped" in _said(mark), _said(mark)  # the trick happened
+    assert not verdict.passed, verdict.to_text()
+    assert verdict.seconds < DEADLINE, verdict.to_text()
+    assert not list(Path(runs_folder()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
+
+
+def _rebuilt(mark: Path) -> dict[str, Any]:
+    return json.loads(next(w for w in _said(mark) if w.startswith("plan "))[len("plan ") :])
+
+
+def test_a_plan_rebuilt_from_the_seed_is_not_the_graders(
+    no_nats_url: None, mark: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from msglab.graders import delivery_guarantees
+    from msglab.grading import nemesis
+
+    seed, drawn = 424242, []
+    real = delivery_guarantees.Plan.draw.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: Any, plan_seed: int) -> Any:
+        drawn.append(plan_seed)
+        return real(cls, plan_seed)
+
+    monkeypatch.setattr(delivery_guarantees.Plan, "draw", classmethod(spy))
+    trick = REBUILD_THE_PLAN.replace("SEED", str(seed))
+
+    def graders_draws(plan_seed: int) -> list[float]:
+        return [nemesis.rng(plan_seed, s).random() for s in ("crash_order", "crash_calls", "final_order", "outage")]
+
+    # The control: plans from the seed alone, as before. The learner's process rebuilds the grader's exactly.
+    monkeypatch.setattr(nemesis, "KEYED_PLANS", False)
+    assert not _graded(LABS["02"], mark, trick, seed=seed).passed
+    assert drawn == [seed] and _rebuilt(mark)["draws"] == graders_draws(seed)
+    for name in os.listdir(mark):
+        os.unlink(mark / name)
+    drawn.clear()
+    # Keyed: the same seed replays the same plan on this installation, and the learner's rebuild is wrong.
+    monkeypatch.setattr(nemesis, "KEYED_PLANS", True)
+    assert not _graded(LABS["02"], mark, trick, seed=seed).passed
+    seen = _rebuilt(mark)
+    assert drawn == [nemesis.plan_seed(seed)] and drawn[0] != seed
+    assert seen["draws"] != graders_draws(drawn[0])
+    assert seen["carried"] == [], seen  # no grading process's argv or environment carries the seed
+    if OWN_USER:
+        assert seen["key"].startswith("refused"), seen
