@@ -10,9 +10,10 @@ An ack counts only if the server acted on it: its subject must be the reply subj
 the server made. A learner process can publish on `$JS.ACK...` subjects it builds itself (the
 server ignores one that names no delivery), so the watch also takes a copy of every delivery to
 the learner's inboxes and keeps an ack-family message only when it answers one of them; the rest
-are kept apart in `unmatched`, never as evidence. A delivery is told from a learner's publish on
-its own inbox by its subject: the server sends it under the stream's subject, a publish on an
-inbox carries the inbox's.
+are kept apart in `unmatched`, never as evidence (an ack handled before its delivery waits there
+until the delivery's copy comes: each subscription's callbacks run in a task of their own). A
+delivery is told from a learner's publish on its own inbox by its subject: the server sends it
+under the stream's subject, a publish on an inbox carries the inbox's.
 
 `refuse_publishes` makes a stream reject publishes for a while (a full stream with discard-new),
 so a grader can check that "accepted" means the stream confirmed it.
@@ -38,6 +39,7 @@ class Ack:
     kind: str  # ack, nak, progress, term
     stream_seq: int
     delivered: int  # which delivery of that message it answers (1 = the first)
+    delay: float | None = None  # a nak's requested redelivery delay in seconds, when it gave one
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class BrokerWatch:
         if not self._ours(reply) or subject.startswith(self._inboxes) or reply in self.deliveries:
             return
         self.deliveries[reply] = time.time()
-        early = self.unmatched.pop(reply, None)  # its ack was heard first (never on one server; cheap to allow)
+        # Its ack may have been handled first: nats-py runs each subscription's callbacks in a task of its own.
+        early = self.unmatched.pop(reply, None)
         if early:
             self.acks = sorted([*self.acks, *early], key=lambda ack: ack.ts)
 
@@ -121,8 +124,12 @@ class BrokerWatch:
             delivered, seq = int(tokens[at]), int(tokens[at + 1])
         except (IndexError, ValueError):
             return
-        kind = ACK_KINDS.get(msg.data.split(b" ", 1)[0], "other")
-        ack = Ack(time.time(), kind, seq, delivered)
+        head, _, rest = msg.data.partition(b" ")
+        kind, delay = ACK_KINDS.get(head, "other"), None
+        if kind == "nak" and rest.strip():
+            with contextlib.suppress(ValueError, TypeError, AttributeError, OverflowError):
+                delay = float(json.loads(rest).get("delay", 0)) / 1e9
+        ack = Ack(time.time(), kind, seq, delivered, delay)
         if msg.subject in self.deliveries:
             self.acks.append(ack)
         elif self._unmatched_count < UNMATCHED_KEPT:
