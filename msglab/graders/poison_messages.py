@@ -42,6 +42,7 @@ import inspect
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -81,6 +82,9 @@ HOT_GAP = 0.03  # a failed email delivered (or tried) again within this is retri
 GROWTH = 2.0  # over a series of 3 or more retries, the last wait must be at least this many times the first
 QUEUE_AGE_MAX = 0.35  # the longest an email may wait for a worker that holds another email to retry it
 QUEUE_AGE_HARD = 2.0  # the longest an email may wait for a worker at all while the worker runs
+# A worker that answers a failed delivery this long after the provider's answer sat out (part of) a wait itself.
+# A lower bound with margin: an answering worker naks within milliseconds, a few tens of them on a busy machine.
+SAT_OUT = 0.15
 FOLLOWERS = (0.0, 0.12, 0.24, 0.36)  # when the ordinary emails of phase 2 are published, after the outage began
 STEP_WAIT = 2.5  # the longest worker #1 gets to reach its planned crash
 FIRST_PULL = 2.0  # worker #2 must ask the broker for messages within this after its release
@@ -419,6 +423,7 @@ class Attempt:
     order: str
     status: int  # 200 sent; the error status; 0 a reset connection
     text: str
+    done: float = 0.0  # when the provider's answer was back (the learner's code has it a moment later)
 
 
 @dataclass(frozen=True)
@@ -561,7 +566,7 @@ class Lab:
         except Exception as exc:  # the course's own provider did not answer: never the learner's fault
             self.problems.append(f"the email provider did not answer a send request: {exc!r}")
             raise Refuse("ConnectionResetError", "the course's email provider did not answer") from None
-        self.attempts.append(Attempt(started, child.pid, order, answer.status, answer.text))
+        self.attempts.append(Attempt(started, child.pid, order, answer.status, answer.text, time.time()))
         if answer.error:
             raise Refuse(answer.error, answer.text)
         return answer.text
@@ -1304,21 +1309,27 @@ def _permanent_check(ev: Evidence) -> Check:
 
 
 def _bounded_check(ev: Evidence) -> Check:
-    title = f"no failed email is retried at once, and none is tried more than its budget of {MAX_DELIVER} times"
+    title = (
+        f"no failed email is retried sooner than {MIN_RETRY:g} s after it failed, and none is tried more than its "
+        f"budget of {MAX_DELIVER} times"
+    )
     hot: list[tuple[Life, float]] = []
+    short: list[tuple[Life, float]] = []
     looped: list[tuple[Life, int, float]] = []
     over: list[Life] = []
     for life in [*ev.originals(), *ev.copies()]:
         waits = [w for w, _, _ in life.waits()]
         if waits and min(waits) < HOT_GAP:
             hot.append((life, min(waits)))
+        elif waits and min(waits) < MIN_RETRY - 0.001:  # a nak's delay is exact; a measured gap only grows
+            short.append((life, min(waits)))
         for group in life.attempts_per_delivery():
             close = [b.ts - a.ts for a, b in itertools.pairwise(group) if a.status != 200]
             if close and min(close) < HOT_GAP:
                 looped.append((life, len(group), min(close)))
         if len(life.attempts) > MAX_DELIVER:
             over.append(life)
-    if not hot and not looped and not over:
+    if not hot and not looped and not short and not over:
         return Check("retries_bounded", title, True)
     if hot:
         life, gap = min(hot, key=lambda h: (h[0].msg.email.kind not in PERMANENT, h[0].msg.seq))
@@ -1345,6 +1356,20 @@ def _bounded_check(ev: Evidence) -> Check:
             "your worker retried it in a loop, at once."
         )
         hint = "retry by letting the email come back later (a delayed redelivery), never in a loop inside one delivery"
+    elif short:
+        life, wait = min(short, key=lambda h: h[1])
+        asked = [a for _, _, a in life.waits() if a is not None]
+        shown = ", ".join(f"{w:.2f}" for w, _, _ in life.waits())
+        message = (
+            f"{_said(life)} was retried after waits of {shown} s"
+            + (" (the delays its naks asked for)" if asked else "")
+            + f": the shortest, {wait:.2f} s, is under the {MIN_RETRY:g} s the README asks for before a first retry. "
+            "A retry that comes that soon meets the same failure: an outage or a rate limit lasts longer."
+        )
+        hint = (
+            f"wait at least {MIN_RETRY:g} s before the first retry, and longer before each next one (e.g. 0.1, 0.2, "
+            "0.4, 0.8 s): the delay your nak asks for is the wait"
+        )
     else:
         life = over[0]
         message = (
@@ -1380,10 +1405,15 @@ def _transient_check(ev: Evidence) -> Check:
             life.deliveries[-1][1] if life.deliveries else 0
         )
         if n <= 1 or n < MAX_DELIVER:
+            fails = [a for a in life.failures if a.ts <= dead_at] or life.failures
+            status = fails[-1].status if fails else 503
+            meaning = {
+                429: "That answer says your worker was sending too fast, not that the email is wrong",
+                0: "A dropped connection says nothing against the email",
+            }.get(status, "That answer says the provider is in trouble, not the email")
             message += (
                 f"\nYour worker dead-lettered it at delivery #{n} ({ev.at(dead_at)}) after this answer: "
-                f"{_last_failure(life, dead_at)}. That answer says the provider is in trouble, not the email: the same "
-                "request goes through later." + outage_text
+                f"{_last_failure(life, dead_at)}. {meaning}: the same request goes through later." + outage_text
             )
             hint = (
                 "a 5xx status, a 429 or a reset connection is transient: retry it with a growing delay, and give up "
@@ -1510,9 +1540,16 @@ def _record_problems(ev: Evidence, entry: DlqEntry) -> list[tuple[str, str]]:
         last = [a for a in life.failures if entry.via is None or a.ts <= entry.via.ts] or life.failures
         status = last[-1].status
         wanted = str(status) if status else "reset"
+        types = ("EmailApiError",) if status else ("ConnectionResetError", "ConnectionError")
         if wanted not in reason.lower() and last[-1].text[:24].lower() not in reason.lower():
             found.append((f"its {REASON} ({_short(reason, 60)!r}) does not say what the provider answered "
                           f"({_short(last[-1].text, 60)!r})", "reason"))  # fmt: skip
+        elif not any(t.lower() in reason.lower() for t in types):
+            found.append((f"its {REASON} ({_short(reason, 60)!r}) does not name the error's type ({types[0]}), "
+                          "only its text", "reason"))  # fmt: skip
+    elif msg.email.kind == "malformed" and not re.search(r"[A-Za-z]\w*(Error|Exception)\b", reason):
+        found.append((f"its {REASON} ({_short(reason, 60)!r}) does not name the error's type (what your code "
+                      "raised on the cut-off payload)", "reason"))  # fmt: skip
     count = _header(entry.headers, DELIVERIES)
     expected = None
     if life is not None and entry.via is not None:
@@ -1559,6 +1596,16 @@ def _line_check(ev: Evidence) -> Check:
     end = ev.lab.phase2_end or time.time()
     # Retries made inside one delivery: the worker held that email (sleeping, looping) instead of taking the next.
     held = [(lf, group) for lf in ev.lives.values() for group in lf.attempts_per_delivery() if len(group) > 1]
+    # Waits sat out inside one delivery: the failed try's answer was back, and the nak came only much later.
+    # (A delivery whose dead letter the worker published, refused, in between spent that time on the DLQ.)
+    sat: list[tuple[Life, Attempt, Settle]] = []
+    for lf in ev.lives.values():
+        dead = lf.by_delivery(lf.publishes)
+        for (_, n), group in zip(lf.deliveries, lf.attempts_per_delivery(), strict=True):
+            fails = [a for a in group if a.status != 200 and a.done]
+            naks = [s for s in lf.settles if s.n == n and s.kind == "nak"]
+            if fails and naks and not dead.get(n) and naks[0].ts - fails[-1].done > SAT_OUT:
+                sat.append((lf, fails[-1], naks[0]))
     stuck = []
     for life in followers:
         handled = life.first_handled()
@@ -1567,11 +1614,12 @@ def _line_check(ev: Evidence) -> Check:
         if age <= QUEUE_AGE_MAX:
             continue
         holding = [(lf, g) for lf, g in held if any(life.msg.published <= a.ts <= until for a in g[1:])]
-        if holding or age > QUEUE_AGE_HARD:
-            stuck.append((life, age, handled, holding))
+        sitting = [(lf, a, s) for lf, a, s in sat if lf is not life and a.done < until and s.ts > life.msg.published]
+        if holding or sitting or age > QUEUE_AGE_HARD:
+            stuck.append((life, age, handled, holding, sitting))
     if not stuck:
         return Check("line_keeps_moving", title, True)
-    life, age, handled, holding = max(stuck, key=lambda x: x[1])
+    life, age, handled, holding, sitting = max(stuck, key=lambda x: x[1])
     message = (
         f"{_said(life)} waited {age:.2f} s before any worker took it"
         + ("" if handled is not None else " (it was never taken)")
@@ -1583,6 +1631,13 @@ def _line_check(ev: Evidence) -> Check:
             f"\nMeanwhile your worker {group[0].pid} held {other.msg.email.order} and tried it {len(group)} times "
             "within one delivery, at " + ", ".join(ev.at(a.ts) for a in group[:5]) + ": it waited out that "
             "email's retries itself instead of taking the next one."
+        )
+    elif sitting:
+        other, failed, nak = max(sitting, key=lambda x: x[2].ts - x[1].done)
+        message += (
+            f"\nMeanwhile your worker {failed.pid} held {other.msg.email.order} for {nak.ts - failed.done:.2f} s "
+            f"after its failed try (the provider's answer at {ev.at(failed.done)}, its nak at {ev.at(nak.ts)}): it "
+            "sat out that wait itself, and every email behind it waited too."
         )
     message += ev.deaths()
     hint = (

@@ -1,9 +1,11 @@
 """Lesson 04's own cells pasted into the lab's file, renamed to env.*: `transient` (section 2), the
 last `dead_letter` with its Nats-Msg-Id and `with_dlq` (section 3), the redrive that removes what it
-sent (section 5), its delays from 50 ms. The lesson never meets a DLQ that refuses a dead letter, nor
-one refused on the last delivery the budget allows: then no delivery is left to bring the email back.
+sent (section 5), its delays from 50 ms; plus the one `try` the README's item 4 spells out (a refused
+dead letter leaves the email unsettled, so it comes back). The lesson never meets a refused dead
+letter on the last delivery the budget allows, where no delivery is left to bring the email back;
+nor does it wait the README's 0.1 s before a first retry. (Its delete_msg is denied in the lab.)
 
-Expect: fail none_lost
+Expect: fail none_lost, retries_bounded
 Says: the last the budget allows
 """
 
