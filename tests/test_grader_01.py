@@ -182,3 +182,22 @@ def test_the_learner_may_ask_the_course_inventory_and_loyalty_but_never_answer_f
         "email.send": "answered",
         "published": "orders.placed",  # payments.charge is none of lab 01's subjects
     }
+
+
+def test_the_playground_takes_the_email_provider_down_and_up(no_nats_url: None) -> None:
+    import asyncio
+
+    import msglab
+
+    async def outage() -> None:
+        env, _ = await msglab.playground("01")
+        try:
+            await env.set_service("email_provider", "down")
+            with pytest.raises(ConnectionError, match="no email went out for o-1"):
+                env.send_email("o-1")
+            await env.set_service("email_provider", "up")
+            env.send_email("o-1")  # sent: it prints, and raises nothing
+        finally:
+            await msglab.playground_close(env)
+
+    asyncio.run(outage())
