@@ -785,7 +785,9 @@ def runs_folder() -> str:
 def sweep_stale_runs(tmp: str | None = None) -> list[str]:
     """Remove run folders whose grader process is gone (a grader that was killed leaves them)."""
     removed = []
-    for folder in Path(tmp or runs_folder()).glob(RUN_PREFIX + "*"):
+    # Where runs are made now, and the temporary folder itself, where they were made before runs_folder().
+    where = [Path(tmp)] if tmp else [Path(runs_folder()), Path(tempfile.gettempdir())]
+    for folder in (found for place in where for found in place.glob(RUN_PREFIX + "*")):
         pid = folder.name[len(RUN_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
