@@ -97,7 +97,7 @@ class Behaviour:
     templates: set[str] = field(default_factory=lambda: set(TEMPLATES))
     missing_mailboxes: set[str] = field(default_factory=set)
     unreachable_domains: set[str] = field(default_factory=set)
-    scripted: dict[str, list[str]] = field(default_factory=dict)  # address -> next answers ("503", "429", "reset")
+    scripted: dict[str, list[str]] = field(default_factory=dict)  # address -> next answers (503, 502, 429, reset)
 
     def control(self, op: str, **args: Any) -> dict[str, Any]:
         """Apply one control operation; returns what the provider now does."""
@@ -152,6 +152,8 @@ class Behaviour:
                 return 0, "[Errno 104] Connection reset by peer"
             if scripted == "429":
                 return 429, "429 Too Many Requests: rate limit of 10 emails per second exceeded, slow down"
+            if scripted == "502":
+                return 502, f"502 Bad Gateway: the receiving mail server for {domain_of(address)} timed out"
             return 503, "503 Service Unavailable: the provider is overloaded, try again later"
         if template not in self.templates:
             return 400, f"400 Bad Request: unknown template {template!r}"
