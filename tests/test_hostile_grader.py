@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
 from attacks import PRELUDE, mark_folder
-from grader_side import FIFO_FOR_THE_DATABASE, OUTSIDE_PROBE, READ_ANOTHER_RUN, REBUILD_THE_PLAN
+from grader_side import FIFO_FOR_THE_DATABASE, OUTSIDE_PROBE, READ_ANOTHER_RUN, READ_THROUGH_A_SIBLING, REBUILD_THE_PLAN
 
 from msglab.catalog import Lab, all_labs
 from msglab.grading.grade import DEADLINE, grade
@@ -158,3 +158,25 @@ def test_a_plan_rebuilt_from_the_seed_is_not_the_graders(
     assert seen["carried"] == [], seen  # no grading process's argv or environment carries the seed
     if OWN_USER:
         assert seen["key"].startswith("refused"), seen
+
+
+@pytest.mark.skipif(not OWN_USER, reason="as the grader's own user, a file it may read the learner may read anyway")
+def test_a_sibling_symlink_to_a_graders_file_is_not_copied_into_the_run(no_nats_url: None, mark: Path) -> None:
+    lab = LABS["01"]
+    private = Path(tempfile.mkdtemp(prefix="msglab-grader-only-"))  # 0700, the grader's: no learner reads it
+    (private / "grader_secret.py").write_text('SECRET = "the grader\'s own"\n')
+    folder = Path(tempfile.mkdtemp(prefix="msglab-grader-side-src-"))
+    try:
+        (folder / lab.file).write_text(
+            lab.source(solution=False).read_text() + PRELUDE.format(mark=str(mark)) + READ_THROUGH_A_SIBLING
+        )
+        (folder / "grader_secret.py").symlink_to(private / "grader_secret.py")
+        verdict = grade(lab.number, source=folder / lab.file, seed=1)
+    finally:
+        for path in (*folder.iterdir(), *private.iterdir()):
+            path.unlink()
+        folder.rmdir()
+        private.rmdir()
+    assert not verdict.passed
+    outcomes = [w for w in _said(mark) if w.startswith("outcome ")]
+    assert outcomes and all(w.startswith("outcome refused") for w in outcomes), outcomes

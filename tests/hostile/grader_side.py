@@ -97,3 +97,13 @@ def _rebuild(env):
     _report("plan " + _json.dumps(seen))
 _hostile(_rebuild, once=True)
 """
+
+# A sibling module that is a symlink to a file only the grader's user may read: the run copies the
+# graded file's sibling modules, as the grader. Read it from the run's copy (and report what came).
+READ_THROUGH_A_SIBLING = """
+try:
+    import grader_secret as _secret
+    _report("outcome read " + repr(getattr(_secret, "SECRET", "")))
+except ImportError as _exc:
+    _report(f"outcome refused {type(_exc).__name__}")
+"""
