@@ -7,7 +7,9 @@ checked against what the run recorded, replay, and that a mistake fails only the
 
 from __future__ import annotations
 
+import json
 import re
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,8 +100,10 @@ def test_acking_only_the_last_of_a_batch_is_an_unexplained_duplicate(no_nats_url
 
 ONLY = [  # (variant, seed, the checks it fails): what each variant says lives in its Says lines
     ("drops_unavailable", 4, {"no_lost_invoices"}),
-    ("retries_refused_forever", 4, {"refused_requests_reported", "all_acked"}),
-    ("gives_up_after_three", 6, {"no_lost_invoices", "refused_requests_reported"}),  # rule 5: a budget fails both
+    # Never reporting, it also never meets the kill planned right before the first env.reject (rule 1).
+    ("retries_refused_forever", 4, {"refused_requests_reported", "all_acked", "faults_fired"}),
+    # rule 5: a budget fails both (and, never reporting, it meets no kill before env.reject)
+    ("gives_up_after_three", 6, {"no_lost_invoices", "refused_requests_reported", "faults_fired"}),
     ("returns_when_idle", 3, {"survives_idle", "no_unplanned_deaths"}),
     ("let_it_crash", 2, {"no_unplanned_deaths"}),  # restarted, so the other checks judge the rest (rule 7)
 ]
@@ -112,6 +116,23 @@ def test_a_mistake_fails_only_the_checks_it_breaks(
     # Rule 7: an `Expect:` line says which checks must fail; here, that no other check does.
     verdict = grade("02", source=VARIANTS / f"{variant}.py", seed=seed)
     assert {c.name for c in verdict.failures} == failed, verdict.to_text()
+
+
+def test_kill_before_the_report_brings_a_report_first_request_back(
+    no_nats_url: None, runs: list[grader.Billing]
+) -> None:
+    # The solution reports, then settles: killed right before env.reject, it had settled nothing, so the
+    # broker delivers the closed account again and the next worker reports it, once, then settles it.
+    verdict = grade("02", solution=True, seed=2)
+    assert verdict.passed, verdict.to_text()
+    [lab] = runs
+    [kill] = [c for c in lab.crashes() if c.name == "reject"]
+    key = kill.key or ""
+    [report] = lab.calls("reject", key)
+    assert report.pid != kill.pid and report.ts > kill.ts
+    settled = lab.watch.settled_on_broker(lab.requests[key].seq)
+    assert settled is not None and settled.ts > report.ts
+    assert {e.pid for e in lab.calls("send_invoice", key)} == {kill.pid, report.pid}
 
 
 def test_failing_run_replays_from_its_seed(no_nats_url: None) -> None:
@@ -168,3 +189,21 @@ def test_todos_state_requirements_not_calls() -> None:
     assert len(todos) >= 4
     for todo in todos:
         assert not re.search(r"\bmsg\.|\benv\.|ack_sync|\bnak\b|\bterm\b|\bflush\b|in_progress|\(", todo), todo
+
+
+def test_every_lesson_reference_names_a_heading_of_the_lesson() -> None:
+    # Level 2 of a hint sends the learner to a place in the lesson: each 'quoted' name must be a heading there.
+    meta = tomllib.loads((LAB.folder / "lab.toml").read_text())
+    notebook = json.loads((LAB.folder.parent.parent / meta["lesson"]).read_text())
+    headings = {
+        re.sub(r"^#+\s*(\d+\.\s*)?", "", line).strip()
+        for cell in notebook["cells"]
+        if cell["cell_type"] == "markdown"
+        for line in "".join(cell["source"]).splitlines()
+        if line.startswith("#")
+    }
+    for check, hint in meta["hints"].items():
+        named = re.findall(r"'([^']+)'", hint.get("lesson", ""))
+        assert hint.get("lesson") is None or named, f"{check}: {hint['lesson']!r} names no heading"
+        missing = [name for name in named if name not in headings]
+        assert not missing, f"{check}: no heading {missing} in {meta['lesson']}"

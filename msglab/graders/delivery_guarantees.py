@@ -115,7 +115,7 @@ ACK_PATIENCE = 0.1  # how long a report waits for an ack copy the grader has not
 REPORT_GRACE = 1.0  # once all is acked, how long an env.settled may still take to arrive
 IDLE_DEADLINE = 6.0  # longest wait for the worker to ask again after an empty fetch (nats-py's default is 5 s)
 LATE_DEADLINE = 3.0  # how long the running worker has for the late request
-MAX_WORKERS = 10  # processes in all; a worker that keeps dying is not restarted forever
+MAX_WORKERS = 12  # processes in all (3 crashed, 1 killed before env.reject, restarts); not restarted forever
 TRACE_LINES = 14  # steps quoted per request in a verdict
 SERVICE_ERRORS = ("InvoicingError", "ServiceUnavailable", "AccountClosed")
 
@@ -281,6 +281,7 @@ class Billing:
         self.watch = watch
         self.plan = plan
         self.requests: dict[str, Request] = {}
+        self.publishing: dict[str, asyncio.Event] = {}  # set once the request is stored (see known)
         self.service = Invoicing(min_tries=UNAVAILABLE_TRIES)  # the invoicing service the grader answers for
         self.guarantees: list[Any] = []
         self.spawns = HeldSpawns(run, "invoice_worker", plan.faults, MAX_WORKERS)
@@ -290,6 +291,15 @@ class Billing:
         self.early_confirmed = False  # a report proven to have come before its ack
         self.drained_at = 0.0  # when the durable was first seen with nothing left (and the reports in)
         self.clean_since = 0.0
+        # Rule 1's plan for the refused request: a kill right before the first env.reject, which falls between the
+        # report and the settle for a worker that settles first (the request is then never reported), and before
+        # both for one that reports first (it comes back and is reported then). Fired by on_reject.
+        self.reject_kill = rules.Planned(
+            "kill your invoice worker right before its first env.reject call (between reporting the closed account"
+            " and settling it on the broker, whichever your worker does first)",
+            "report a request that can never be invoiced with env.reject(order_id, reason) at its first refusal",
+        )
+        run.planned.append(self.reject_kill)
         self.taken: list[tuple[float, int]] = []  # (when, delivery #) the grader's colleague got the big request
         run.on("send_invoice", self.on_send_invoice)
         run.on("invoice_sent", self.on_quiet)
@@ -305,10 +315,19 @@ class Billing:
             key, customer = f"o-{number}", f"c-{1000 + 37 * number}"
             outage = self.outages.pop(0) if kind == "transient" else 0.0
             body = {"order_id": key, "customer": customer, "amount": 40 + 5 * number}
+            self.publishing[key] = stored = asyncio.Event()
             seq = await TOPOLOGY.publish(self.run, json.dumps(body).encode())
             takes = self.plan.slow if kind == "slow" else 0.0
             request = Request(key, seq, kind, customer, time.time(), outage, takes)
             self.requests[key] = request
+            stored.set()
+
+    async def known(self, key: str | None) -> Request | None:
+        """The request, once stored: a running worker can take it and call before the publish's ack reached us."""
+        stored = self.publishing.get(key or "")
+        if stored is not None:
+            await stored.wait()
+        return self.requests.get(key or "")
 
     def keys(self, *kinds: str) -> list[str]:
         return [k for k, r in self.requests.items() if r.kind in kinds]
@@ -318,7 +337,7 @@ class Billing:
     async def on_send_invoice(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> float:
         from msglab.grading.harness import Refuse
 
-        request = self.requests.get(key or "")
+        request = await self.known(key)
         try:
             if request is not None:
                 self.service.attempt(request.key, request.kind, request.customer, request.outage, time.time())
@@ -330,12 +349,12 @@ class Billing:
         return request.takes if request is not None else 0.0  # the learner's side waits this long
 
     async def on_quiet(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
-        request = self.requests.get(key or "")
+        request = await self.known(key)
         if request is not None and request.takes:  # when the big invoice was done (rule 1 and the claim check)
             self.run.record_effect(child, "invoice_done", key, call=call)
 
     async def on_settled(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
-        request = self.requests.get(key or "")
+        request = await self.known(key)
         acked, confirmed = None, False
         if request is not None:
             acked = self.watch.settled_on_broker(request.seq)
@@ -360,6 +379,12 @@ class Billing:
         self.run.record_effect(child, "settled", key, call=call, acked=acked is not None, confirmed=confirmed)
 
     async def on_reject(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        request = await self.known(key)
+        if not self.reject_kill.fired and request is not None and request.kind == "refused":
+            self.reject_kill.fired = True
+            self.run.log.record("crash", "reject", key, pid=child.pid, role=child.role, call=call, when="before")
+            await child.kill("nemesis")
+            return
         self.run.record_effect(child, "reject", key, call=call, reason=str(detail.get("reason", ""))[:200])
 
     async def on_guarantees(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
@@ -585,6 +610,8 @@ class Billing:
                 steps.add(event.ts, f"{who}'s env.send_invoice returned: the invoicing service was done")
             elif event.kind == "effect" and event.name == "reject":
                 steps.add(event.ts, f"{who} called env.reject")
+            elif event.kind == "crash" and event.name == "reject":
+                steps.add(event.ts, f"{who} SIGKILLed by the grader right before env.reject")
             elif event.kind == "crash":
                 kind = next(k for k, spot in KINDS.items() if spot == (event.name, event.detail.get("when")))
                 steps.add(event.ts, f"{who} SIGKILLed by the grader {WHERE[kind]}")
@@ -631,6 +658,8 @@ async def grade(run: Run) -> list[Check]:
     finally:
         await lab.spawns.cancel()
     await lab.spawns.settle()  # so the platform's rule-3 check sees a process that ended on its own
+    if not lab.reject_kill.fired:
+        lab.reject_kill.seen = "no worker of yours called env.reject"
     proof = rules.IdleProof(late, late_at, idle_since, bool(lab.drained_at), refetch, IDLE_DEADLINE, LATE_DEADLINE)
     handled_by = [e.pid for e in lab.invoices(late)]
     return [
@@ -904,6 +933,27 @@ def _refused_check(lab: Billing) -> Check:
                 f" {run.at(settled.ts)}, but env.reject was never called: nobody in billing will ever hear of it."
             )
             hint = "report a request that can never be invoiced with env.reject(order_id, reason) before you settle it"
+            kill = next((c for c in lab.crashes() if c.key == key and c.name == "reject"), None)
+            if kill is not None and settled.ts <= kill.ts:
+                message += (
+                    f"\nThe grader killed worker {kill.pid} right before its env.reject call ({run.at(kill.ts)}): the"
+                    f" broker had the {settled.kind} already, so nothing brought {key} back to be reported. Settling"
+                    " first makes a kill between the two lines lose the report."
+                )
+                hint = (
+                    "report first, then settle: a kill between the two then leaves the request on the broker, and it"
+                    " comes back to be reported"
+                )
+        elif settled is not None and settled.ts < reports[0].ts:
+            message = (
+                f"your worker settled {key} on the broker ({an(settled.kind)} at {run.at(settled.ts)}) before it"
+                f" reported it with env.reject ({run.at(reports[0].ts)}): a kill between the two lines would leave the"
+                " billing team never hearing of it."
+            )
+            hint = (
+                "report first, then settle: a kill between the two then leaves the request on the broker, and it comes"
+                " back to be reported"
+            )
         elif len(attempts) > 1 + explained and reports[0].ts < attempts[1].ts:
             message = (
                 f"your worker reported {key} with env.reject at its first refusal, but did not settle that delivery:"
