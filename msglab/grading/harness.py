@@ -353,7 +353,7 @@ class Run:
             self.names = Names("r" + secrets.token_hex(4))
         else:
             grader = importlib.import_module(self.grader)
-            users = RunUsers(getattr(grader, "LEARNER_DENY_PUBLISH", None))
+            users = RunUsers(grader=grader)  # the lab's own streams, durables and subjects: nothing else is open
             config = os.path.join(self.tmp, "server.conf")
             fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the learner's user may not read it
             os.write(fd, users.config().encode())
