@@ -35,8 +35,8 @@ def test_plan_replays_from_its_seed_and_meets_every_kind() -> None:
         assert sum(e.kind in PERMANENT for e in plan.phase(1)[:4]) == 2  # worker #1 meets its faults early
         assert {plan.get(o).kind for o in plan.redrive} == {"template", "unreachable"}
         assert all(1 <= len(e.script) <= 2 for e in plan.emails if e.kind == "flaky")
-        # Every seed meets every transient answer (503 comes with the outage): a 429 and a reset.
-        assert {"429", "reset"} <= {a for e in plan.emails for a in e.script}
+        # Every seed meets every transient answer (503 comes with the outage): a 429, a 502 and a reset.
+        assert {"429", "502", "reset"} <= {a for e in plan.emails for a in e.script}
         malformed = next(e for e in plan.emails if e.kind == "malformed")
         with pytest.raises(ValueError):
             json.loads(malformed.payload)

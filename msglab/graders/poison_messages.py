@@ -9,7 +9,7 @@ longer than any retry budget), 422 for a mailbox that does not exist and 400 for
 deployed yet (permanent); one message's payload is cut off (not JSON: the learner's own code fails).
 
 1. Worker #1 runs alone on 8 emails (3 ordinary, 2 the provider fails 1-2 times first, between them
-   at least one 429 and one reset, a 422, a 400, the cut-off payload), two of the permanent ones
+   at least one 429, one 502 and one reset, a 422, a 400, the cut-off payload), two of the permanent ones
    among the first four. The DLQ stream
    refuses its first dead-letter publish (full, discard-new: a real refusal); it is SIGKILLed right
    after its first dead letter the DLQ stream confirmed, before that email is settled.
@@ -124,7 +124,12 @@ KIND_WORDS = {
     "late": "an ordinary email published once the worker had been idle",
 }
 NAMES = ("ana", "ben", "chloe", "dev", "eli", "farah", "gus", "hana", "ivo", "jun", "kai", "lena", "milo", "nora")
-ANSWER_WORDS = {"429": "429 Too Many Requests", "503": "503 Service Unavailable", "reset": "a reset connection"}
+ANSWER_WORDS = {
+    "429": "429 Too Many Requests",
+    "502": "502 Bad Gateway",
+    "503": "503 Service Unavailable",
+    "reset": "a reset connection",
+}
 
 
 # --- what runs inside the learner's processes ------------------------------------------------
@@ -367,10 +372,10 @@ def draw_plan(seed: int) -> Plan:
     phase1 = first + rest
     names = list(NAMES)
     r.shuffle(names)
-    # Every seed meets every transient answer: a 429 and a reset in the two flaky emails' scripts (503 comes
-    # with the outage), so treating one of them as permanent fails on every seed, not on two thirds of them.
-    lengths = (r.randint(1, 2), r.randint(1, 2))
-    answers = ["429", "reset", *(r.choice(("429", "503", "reset")) for _ in range(sum(lengths) - 2))]
+    # Every seed meets every transient answer: a 429, a 502 and a reset in the two flaky emails' scripts (503
+    # comes with the outage), so treating one of them as permanent fails on every seed, not on some of them.
+    lengths = r.choice(((1, 2), (2, 1), (2, 2)))
+    answers = ["429", "502", "reset", *(r.choice(("429", "502", "503", "reset")) for _ in range(sum(lengths) - 3))]
     r.shuffle(answers)
     scripts = [tuple(answers[: lengths[0]]), tuple(answers[lengths[0] :])]
     emails: list[Email] = []
@@ -1410,6 +1415,7 @@ def _transient_check(ev: Evidence) -> Check:
             meaning = {
                 429: "That answer says your worker was sending too fast, not that the email is wrong",
                 0: "A dropped connection says nothing against the email",
+                502: "That answer says a mail server on the way is in trouble, not the email",
             }.get(status, "That answer says the provider is in trouble, not the email")
             message += (
                 f"\nYour worker dead-lettered it at delivery #{n} ({ev.at(dead_at)}) after this answer: "
