@@ -196,6 +196,7 @@ class Shop:
     resolved_at: float = 0.0
     rejected: list[Any] = field(default_factory=list)  # effect events: the poison refused
     assigned: dict[int, asyncio.Future[Slot]] = field(default_factory=dict)
+    tending: bool = True  # restart a slot's worker when its process ends
     offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # ledger clock -> wall clock
 
     def __post_init__(self) -> None:
@@ -264,8 +265,10 @@ class Shop:
         """Restart the worker of every slot whose process ended (a crash, or its own death: rule 3 sees that)."""
         while True:
             for slot in self.slots:
-                if not slot.stopped and slot.child is not None and gone(slot.child):
-                    await self.spawns.stop(slot.child)
+                child = slot.child
+                # A crash or a death is replaced (rule 3 judges the death); a worker that returned chose to stop.
+                if self.tending and not slot.stopped and child is not None and gone(child) and not child.returned:
+                    await self.spawns.stop(child)
                     await self._release(slot)
             await asyncio.sleep(0.01)
 
@@ -318,7 +321,7 @@ async def grade(run: Run) -> list[Check]:
     phase = Phases(run)
     # The publishers first: a file that does not import stops the run here, before any worker is started.
     shop.publishers = list(await asyncio.gather(run.spawn("publisher"), run.spawn("publisher")))
-    spawns.prepare(5)
+    spawns.prepare(7)  # two workers, two replacements, the three of the rescale: all started before they are due
     seed = run.seed
     orders = workload(seed, orders=24, overlap=8)
     cut = len(orders) * 5 // 8
@@ -338,15 +341,19 @@ async def grade(run: Run) -> list[Check]:
 
     try:
         async with phase("two partitions"):
-            two = await shop.start(2, 0)
+            # A backlog first, so that at the switch the old partitions still hold the straddling orders' old
+            # events however fast the workers run and however slow the publishers (a loaded machine).
             await shop.publish(orders[:cut], 2, "first")
+            two = await shop.start(2, 0)
             crashed = [c for c in spawns.released[:2]]
             await wait(
                 lambda: all(c.fired or gone(c) for c in crashed) and len(shop.ledger) >= cut // 3, PHASE_DEADLINE
             )
         async with phase("rescale"):
+            spawns.prepare(3 - len(spawns.waiting))
+            if spawns.waiting:  # ready: the new layout starts the moment the switch is published
+                await asyncio.wait(spawns.waiting)
             await shop.publish(orders[cut : cut + CHUNK], 3, "switch")
-            spawns.prepare(3)
             three = await shop.start(3, 2)
             await shop.publish(orders[cut + CHUNK :], 3, "rest")
             everything = {(e.key, e.seq) for e in orders}
@@ -373,6 +380,7 @@ async def grade(run: Run) -> list[Check]:
             mine = {(e.key, e.seq) for e in burst if e.key == shop.poison.key}
             await wait(lambda: shop.applied(mine), POISON_WINDOW)
         async with phase("late event"):
+            shop.tending = False  # from now on a worker that ends stays gone: rule 2 is about the one running
             await wait(functools.partial(_consumers_drained, run, stream), 2.0)
             drained_info = await _undrained(run, stream)
             since = max([a.ts for a in watch.acks] or [time.time()])
@@ -384,6 +392,7 @@ async def grade(run: Run) -> list[Check]:
             proof = rules.IdleProof(late.key, late_at, since, True, refetch, IDLE_DEADLINE, LATE_DEADLINE)
             idle = _idle_check(shop, alive, proof)  # now: the next phase stops these workers
         async with phase("throughput"):
+            shop.tending = True
             await shop.stop(three)
             for n in (1, 4):
                 events = [replace(e, key=f"t{n}" + e.key[1:]) for e in backlog]
@@ -667,7 +676,7 @@ def _parked_check(shop: Shop) -> Check:
     else:
         message = (
             f"the back office resolved {poison.key} at {shop.run.at(shop.resolved_at)}, but"
-            f" {plural(len(missing), 'of its events')} never applied within {POISON_WINDOW:.0f} s: first its"
+            f" {len(missing)} of its events never applied within {POISON_WINDOW:.0f} s: first its"
             f" {missing[0].kind} (event {missing[0].seq})."
         )
     hint = (
