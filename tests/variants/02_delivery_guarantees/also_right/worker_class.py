@@ -32,7 +32,7 @@ class Invoicer:
         sub = await self.env.js.pull_subscribe_bind(self.env.durable("invoicer"), self.env.stream("BILLING"))
         while True:
             try:
-                batch = await sub.fetch(batch=3, timeout=0.3)
+                batch = await sub.fetch(batch=3, timeout=0.2)  # a batch waits this long for more: well under ack_wait
             except TimeoutError:
                 continue
             for msg in batch:
@@ -47,11 +47,14 @@ class Invoicer:
         done = asyncio.Event()
 
         async def heartbeat():
+            # The claim's clock started when the broker delivered msg, which may have waited in a batch
+            # fetch for a while: the first sign goes out at once.
             while not done.is_set():
+                await msg.in_progress()
                 try:
                     await asyncio.wait_for(done.wait(), 0.1)
                 except TimeoutError:
-                    await msg.in_progress()
+                    pass
 
         beats = asyncio.create_task(heartbeat())
         try:
