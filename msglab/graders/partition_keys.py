@@ -7,21 +7,21 @@ ledger (msglab.world.order_events.Ledger, in the grader's memory) records every 
 the grader's clock; the grader watches every ack on the stream (BrokerWatch on all durables).
 
 Workload, in phases (seeded):
-  two partitions    the first part of an order workload on n=2; the first worker of partition 0 is
-                    killed right after env.apply recorded its event #c (before its ack), the first
-                    of partition 1 on its env.apply call #c' before the event is applied; each
-                    partition's worker is restarted whenever its process ends;
-  rescale           the publishers switch to n=3 and keep publishing the rest (events of orders
-                    already under way included); three new workers start (previous=2) while the
-                    two old ones keep running;
+  two partitions    the first part of an order workload published on n=2 as a backlog, then one worker
+                    per partition; the first worker of partition 0 is killed right after env.apply
+                    recorded its event #c (before its ack), the first of partition 1 on its env.apply
+                    call #c' before the event is applied. A crashed or dead worker is replaced at
+                    once (HeldSpawns started ahead); one that returned stays gone;
+  rescale           once a third of the backlog is applied, the publishers switch to n=3 and publish
+                    the rest (orders under way included); three new workers, started ahead, begin
+                    right after the first chunk with n=3 (previous=2), the two old ones keep running;
   poison            a burst of new orders on n=3; one order's first event is refused by env.apply
-                    (OrderRejected) until the back office resolves it, which happens once every
-                    other event of the burst was applied (or POISON_WINDOW passed);
-  late event        after the stream went idle and a worker asked again after an empty fetch, one
-                    late event (rule 2);
-  throughput        the old workers stopped, the same backlog (fresh keys) on n=1 and on n=4: the
-                    ledger's busy span of each, judged as a ratio (a lower bound, load shrinks it
-                    only where it slows both alike).
+                    (OrderRejected) until the back office resolves it, once every other event of the
+                    burst was applied and the order's later events were acked (or POISON_WINDOW);
+  late event        nothing is replaced any more; after the stream went idle and a worker asked again
+                    after an empty fetch, one late event (rule 2, judged on the workers running then);
+  throughput        the old workers stopped, the same backlog (fresh keys, one wholesale customer) on
+                    n=1 and on n=4, judged on ratios load cannot break (see SPREAD, PARALLEL).
 
 Checks: per_key_order, none_lost, no_extra_duplicates (rule 6's allowance), one_owner_per_key,
 order_kept_during_rescale, parked_key_resumes_in_order, other_keys_flow_while_parked,
