@@ -81,6 +81,7 @@ DURABLE = "invoicer"
 ACK_WAIT = 0.4  # seconds; production uses 30 s or more. A busy machine must never stall a correct
 # worker past it (a batch of ten is invoiced, acked and reported well within it even under load).
 TOPOLOGY = Topology(STREAM, "billing.>", DURABLE, SUBJECT, ACK_WAIT)
+LEARNER_SUBJECTS = [SUBJECT]  # the worker only pulls and acks: nothing of the course's to publish or hear
 FRESH = 3  # normal requests published for each crash incarnation just before it starts
 FINAL_NORMAL = 2  # normal requests published with the last incarnation
 TRANSIENT = 2  # of those published with the last incarnation: unavailable for a while
