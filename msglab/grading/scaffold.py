@@ -75,8 +75,13 @@ class Topology:
         watch = (kind or BrokerWatch)(run.names.stream(self.stream), run.names.durable(self.durable))
         return await watch.start(run.nc)
 
-    async def publish(self, run: Run, body: bytes, subject: str | None = None) -> int:
-        """Publish as the grader (on the durable's subject unless told); return the sequence the stream confirmed."""
+    async def publish(self, run: Run, body: bytes, subject: str | None = None, key: str | None = None) -> int:
+        """Publish as the grader (on the durable's subject unless told); return the sequence the stream confirmed.
+
+        `key`, the message's business key, is registered first as the run's workload (Run.workload).
+        """
+        if key is not None:
+            run.workload.add(key)  # before the publish: a worker may call about it before the ack is back
         ack = await run.js.publish(run.names.subject(subject or self.subject), body)
         return int(ack.seq)
 
