@@ -28,6 +28,7 @@ ALL = {
     "promise_kept",
     "busy_when_stream_full",
     "no_accepted_order_lost",
+    "stored_once",
     "faults_fired",
     "no_unplanned_deaths",
 }
@@ -40,7 +41,10 @@ def failure(verdict: Any, name: str) -> Any:
 def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
     verdict = grade("05", seed=2)
     failed = {c.name for c in verdict.failures}
-    assert failed == ALL - {"refuses_only_over_budget", "faults_fired", "no_unplanned_deaths"}, verdict.to_text()
+    # Its background publisher meets the lost confirmations late or never (it answers before publishing, and a
+    # publish without a confirmation blocks it for nats-py's 5 s): stored_once, or rule 1, may fail too.
+    must = ALL - {"refuses_only_over_budget", "faults_fired", "no_unplanned_deaths", "stored_once"}
+    assert must <= failed <= must | {"stored_once", "faults_fired"}, verdict.to_text()
     assert "always said 0" in failure(verdict, "age_tracks_truth").hint
     fooled = failure(verdict, "not_fooled_by_depth").message
     assert "Deep but fast" in fooled and "Shallow but stuck" in fooled
@@ -60,11 +64,21 @@ def test_refusing_by_depth_breaks_the_promise_in_the_rush(no_nats_url: None) -> 
     }
 
 
+def test_a_lost_confirmation_is_settled_by_a_retry_the_stream_recognises(no_nats_url: None) -> None:
+    # Both faults fired (rule 1), and each wrong way to meet them fails for its own reason on the same seed.
+    solved = grade("05", seed=9, source=Path(__file__).parents[1] / "solutions" / "05_backpressure" / "intake.py")
+    assert solved.passed, solved.to_text()
+    twice = failure(grade("05", source=VARIANTS / "retry_without_id.py", seed=9), "stored_once")
+    assert "2 copies" in twice.message and "Nats-Msg-Id" in twice.hint
+    told_busy = failure(grade("05", source=VARIANTS / "busy_on_timeout.py", seed=9), "stored_once")
+    assert "answered BUSY, but the stream holds it" in told_busy.message
+
+
 def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url: None) -> None:
     # Lesson 05's own cells (BUSY only once the age is over the budget): the orders accepted while the age was still
     # under it wait about k times the budget; a forecast (the solution) keeps the promise on the same seed.
     copied = grade("05", source=VARIANTS / "from_lesson.py", seed=7)
-    assert {c.name for c in copied.failures} == {"promise_kept"}, copied.to_text()
+    assert {c.name for c in copied.failures} == {"promise_kept", "stored_once"}, copied.to_text()
     check = failure(copied, "promise_kept")
     assert "the age was under the budget when you accepted it" in check.hint and "Little's law" in check.hint
     assert grade("05", seed=7, source=Path(__file__).parents[1] / "solutions" / "05_backpressure" / "intake.py").passed
@@ -75,7 +89,9 @@ def test_plan_replays_from_its_seed() -> None:
         plan = Plan.draw(seed)
         assert plan == Plan.draw(seed)
         assert 200 <= plan.burst <= 300 and 4 <= plan.kill_at <= 9 and 2 <= plan.refused <= 4
+        assert sorted(plan.lost) == ["reply", "request"]  # both lost confirmations on every seed, in either order
     assert len({Plan.draw(seed) for seed in range(1, 40)}) > 10
+    assert len({Plan.draw(seed).lost for seed in range(1, 40)}) == 2
 
 
 def test_the_kill_after_an_acceptance_is_worded_for_rule_1() -> None:

@@ -51,6 +51,7 @@ async def place_order(env, order) -> str:
     # TODO: Keep the promise to each order: BUSY for an order the workers would not finish within env.age_budget of storing it, and always while the queue age is over that budget; ACCEPTED whenever the shop can keep it, again as soon as the queue has recovered.
     # TODO: Answer ACCEPTED only for an order the stream has stored, so that a SIGKILL right after the answer loses nothing.
     # TODO: Answer BUSY when the stream refuses the order because it is full, instead of raising.
+    # TODO: A publish whose confirmation does not come is an unknown outcome: answer as the stream holds the order (it may have stored it), and never let it hold the order twice. A customer waits two seconds at most.
     _outbox(env).put_nowait(order)  # answer at once: a background task publishes it
     return ACCEPTED
 

@@ -14,7 +14,7 @@ Workload (seeded), each phase ended by what the grader sees, with a cap:
      sampled and three orders are placed (the queue is deep, its oldest order a few ms old), then
      eight workers drain it in a moment;
   2. the rush ("over capacity"): one slow worker (80 ms an order) while customers place an order every
-     15 ms or so (about three to five times as fast), until the intake has refused ten orders; then the
+     15 ms or so (about two to five times as fast), until the intake has refused ten orders; then the
      worker keeps its pace until each order accepted here is finished or has surely waited too long;
      intake A is SIGKILLed right after its k-th acceptance (k from the seed, 4-9, counting phase 1's);
   3. stall: the workers stop; orders keep coming until the queue age is well over the budget;
@@ -55,7 +55,7 @@ from nats.errors import Error as NatsError
 
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import refuse_publishes
-from msglab.grading.rules import plural
+from msglab.grading.rules import Planned, plural
 from msglab.grading.scaffold import Phases, Topology
 from msglab.grading.verdict import Check
 from msglab.world.fulfilment import Fulfilment, Handled, Sample, depth_and_age, order_id
@@ -80,7 +80,7 @@ DEEP, SHALLOW = 100, 5  # a deep queue holds at least this many orders; a shallo
 CALL_DEADLINE = 3.0  # after this the grader declares a call hung and stops the process (calls take ms)
 SAMPLE_GAP = 0.05  # pause between two monitor samples
 ORDER_GAP = 0.02  # pause between two orders placed by the customers
-RUSH_GAP = 0.015  # ... in phase 2 (the rush): orders come about three times as fast as the slow worker finishes them
+RUSH_GAP = 0.015  # ... in phase 2 (the rush): orders come 2-5 times as fast as the slow worker finishes them
 WORK_SLOW = 0.08  # seconds the one worker of phase 2 spends on an order
 PROMISE_TOL = 0.25  # an order accepted in the rush may be finished this long after the budget, not later
 RUSH_REFUSALS = 10  # the rush goes on until the intake has refused this many orders (or PHASE_CAP)
@@ -90,6 +90,9 @@ CANCEL_EVERY = 0.1
 QUIET = 0.3  # phase 0 lasts until the first cancellation has been in the stream this long
 PHASE_CAP = 3.0  # no phase waits longer than this for its condition
 STATUSES = ("OK", "WARNING", "ERROR")
+# A publish whose confirmation never comes, both ways, on every seed: "reply", the stream stores the order and
+# sends no confirmation (its no_ack, for a moment); "request", the stream is full and its refusal is not sent either.
+LOST_KINDS = ("reply", "request")
 ACCEPTED, BUSY = "accepted", "busy"
 
 
@@ -207,12 +210,15 @@ class Plan:
     kill_at: int  # intake A is SIGKILLed right after its k-th "accepted"
     refused: int  # orders placed while the stream refuses publishes
     budgets: tuple[float, ...]  # budgets for the synthetic status windows
+    lost: tuple[str, ...] = LOST_KINDS  # the two lost confirmations, in this order
 
     @classmethod
     def draw(cls, seed: int) -> Plan:
         r = rng(seed, "plan")
         # kill_at counts every acceptance: the three orders of phase 1 first, so the kill falls in phase 2.
-        return cls(r.randint(200, 300), r.randint(4, 9), r.randint(2, 4), (0.5, r.choice([2.0, 5.0]), 300.0))
+        burst, kill_at, refused = r.randint(200, 300), r.randint(4, 9), r.randint(2, 4)
+        budgets = (0.5, r.choice([2.0, 5.0]), 300.0)
+        return cls(burst, kill_at, refused, budgets, tuple(r.sample(LOST_KINDS, 2)))
 
     def crash(self) -> Crash:
         """Intake A's SIGKILL, right after its k-th ACCEPTED, worded for rule 1 should it not fire."""
@@ -287,6 +293,7 @@ class Placed:
     outcome: str = ""  # accepted, busy, failed, other, hung, gone
     detail: dict[str, Any] = field(default_factory=dict)
     stream_refusing: bool = False
+    confirmation_lost: str = ""  # "reply" or "request" for the order whose publish got no confirmation
     lb: float = 0.0
     ub: float = 0.0
 
@@ -329,6 +336,10 @@ class Truth:
                 first.setdefault(h.order_id, h)
         return first
 
+    def newest(self, t: float) -> float | None:
+        """When the newest order stored by `t` was stored (acked or not), None when none was."""
+        return max((h.ts for h in self.orders if h.ts <= t), default=None)
+
     def age_at(self, t: float) -> float:
         lb, ub, _ = self.bounds(t, t)
         return (lb + ub) / 2
@@ -357,6 +368,8 @@ class Lab:
         self.sampling = True
         self.running = True  # the background loops stop when this turns False (see _stop)
         self.cancels_at: list[float] = []
+        self.own_publish = asyncio.Lock()  # held by the grader's own publishes, and while a confirmation is lost
+        self.lost: list[Lost] = []
         self.locks = {child.pid: asyncio.Lock() for child in intakes}
 
     # -- names
@@ -473,7 +486,8 @@ class Lab:
             n += 1
             body = json.dumps({"id": f"c-{n:04d}", "reason": "customer"}).encode()
             with contextlib.suppress(Exception):
-                await self.run.js.publish(self.run.names.subject(CANCELLED), body)
+                async with self.own_publish:
+                    await self.run.js.publish(self.run.names.subject(CANCELLED), body)
                 self.cancels_at.append(time.time())
             await asyncio.sleep(CANCEL_EVERY)
 
@@ -613,6 +627,11 @@ async def _play(lab: Lab) -> None:
             for _ in range(2):
                 await lab.place()
 
+        async with phase("confirmation lost"):  # one order stored unconfirmed, one refused unanswered
+            for kind in plan.lost:
+                if lab.intake() is not None:
+                    await _lose_confirmation(lab, kind)
+
         async with phase("stuck"):  # a trickle of orders flows, one is held by a hung worker
             pool.scale(2, 0.005)
             pool.stuck.add("x-stuck")
@@ -647,6 +666,78 @@ async def _play(lab: Lab) -> None:
         lab.sampling = False
         await asyncio.gather(sampler, return_exceptions=True)
     await _status_cases(lab)
+
+
+@dataclass
+class Lost:
+    """One order whose publish the stream answered with silence."""
+
+    kind: str  # "reply" (stored, no confirmation sent) or "request" (refused, no refusal sent)
+    planned: Planned
+    order_id: str
+    attempts: list[float] = field(default_factory=list)  # when the grader saw each publish of it on the subject
+    lifted: float = math.inf  # when the stream answered again
+
+
+LOST_WORDS = {
+    "reply": "store one order but never send its confirmation (the stream's no_ack, for a moment)",
+    "request": "refuse one order (the stream full) without sending the refusal (no_ack, for a moment)",
+}
+
+
+async def _lose_confirmation(lab: Lab, kind: str) -> None:
+    """Place one order while the stream sends no confirmations, and answer again once its publish was seen."""
+    from nats.js.api import StreamConfig
+
+    run = lab.run
+    for _ in range(10):  # first an order the intake accepts, so the silence meets a publish (and a lingering
+        placed = await lab.place()  # refusal shows: the queue is empty here)
+        if placed is None or placed.outcome == ACCEPTED:
+            break
+    oid = f"o-{lab.next_order + 1:04d}"  # the id lab.place() gives the next order (the customers are off)
+    planned = Planned(
+        f"{LOST_WORDS[kind]} while order {oid} is placed",
+        hint="publish every order you accept to the stream (the grader watches the subject for it)",
+    )
+    run.planned.append(planned)
+    lost = Lost(kind, planned, oid)
+    lab.lost.append(lost)
+
+    async def seen(msg: Any) -> None:
+        if order_id(msg.data) == oid:
+            lost.attempts.append(time.time())
+
+    async def stored() -> bool:
+        try:
+            last = await run.js.get_last_msg(lab.stream, run.names.subject(SUBJECT))
+        except (TimeoutError, OSError, NatsError):
+            return False
+        return order_id(last.data) == oid
+
+    sub = await run.nc.subscribe(run.names.subject(SUBJECT), cb=seen)
+    await run.nc.flush()
+    async with lab.own_publish:  # the grader's own publishes would get no confirmation either: they wait
+        info = await run.js.stream_info(lab.stream)
+        original = info.config
+        silent = dict(original.as_dict(), no_ack=True)
+        if kind == "request":  # at its current size, discard-new: the next publish does not fit
+            silent.update(max_msgs=max(1, info.state.messages), max_bytes=max(1, info.state.bytes), discard="new")
+        await run.js.update_stream(StreamConfig.from_response(silent))
+        placing = asyncio.ensure_future(lab.place())
+        try:
+            if kind == "reply":  # until the order is stored (its confirmation was never sent)
+                await run.wait_for(lambda: placing.done() or stored(), CALL_DEADLINE + 1)
+            else:  # until the intake published it again (the first was refused in silence), or answered
+                await run.wait_for(lambda: placing.done() or len(lost.attempts) >= 2, CALL_DEADLINE + 1)
+        finally:
+            await run.js.update_stream(original)
+            lost.lifted = time.time()
+    await asyncio.wait([placing], timeout=CALL_DEADLINE + 2)
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
+    placed = placing.result() if placing.done() and not placing.exception() else None
+    if placed is not None:
+        placed.confirmation_lost = kind
 
 
 def _rush_settled(lab: Lab) -> bool:
@@ -732,6 +823,7 @@ def judge(lab: Lab, truth: Truth) -> list[Check]:
         s.lb, s.ub, _ = truth.bounds(s.a, s.b)
     for p in lab.placed:
         p.lb, p.ub, _ = truth.bounds(p.a, p.b if math.isfinite(p.b) else p.a)
+    _lost_fired(lab, truth)
     return [
         _age_check(lab, truth),
         _fooled_check(lab, truth),
@@ -741,7 +833,23 @@ def judge(lab: Lab, truth: Truth) -> list[Check]:
         _promise_check(lab, truth),
         _busy_not_error_check(lab),
         _lost_check(lab, truth),
+        _stored_once_check(lab, truth),
     ]
+
+
+def _lost_fired(lab: Lab, truth: Truth) -> None:
+    """Rule 1 for the lost confirmations, from the stream's record: did the silence meet a publish of the order?"""
+    for lost in lab.lost:
+        before = [h for h in truth.orders if h.order_id == lost.order_id and h.ts < lost.lifted]
+        placed = next((p for p in lab.placed if p.order_id == lost.order_id), None)
+        answer = placed.answer() if placed is not None else "was never placed (no intake process was left)"
+        if lost.kind == "reply":
+            lost.planned.fired = bool(before)
+        else:
+            lost.planned.fired = bool(lost.attempts) and lost.attempts[0] < lost.lifted and not before
+        if not lost.planned.fired:
+            published = "without publishing it" if not lost.attempts else "and its publish reached the stream"
+            lost.planned.seen = f"place_order {answer} for {lost.order_id} {published}"
 
 
 def _at(lab: Lab, ts: float) -> str:
@@ -757,6 +865,7 @@ def _phase_words(phase: str) -> str:
         "scaled up": "after six workers had drained the backlog",
         "stream full": "while the stream refused every publish",
         "stream open": "after the stream accepted publishes again",
+        "confirmation lost": "while the stream sent no confirmation for one publish",
         "stuck": "while a worker hung on one order and the rest flowed (a shallow queue, its oldest order old)",
         "drained": "after everything had drained",
     }.get(phase, phase)
@@ -829,16 +938,54 @@ def _age_check(lab: Lab, truth: Truth) -> Check:
         for s in wrong[:5]
         if s.age is not None
     ]
-    hint = _age_hint(lab, wrong, first)
+    hint = _age_hint(lab, wrong, first, truth)
     return Check(name, title, False, message, trace=trace, hint=hint)
 
 
-def _age_hint(lab: Lab, wrong: list[Sampled], first: Sampled) -> str:
+def _age_hint(lab: Lab, wrong: list[Sampled], first: Sampled, truth: Truth) -> str:
     phases = {s.phase for s in wrong}
     ages = [s.age for s in lab.samples if s.age is not None]
     if ages and all(a == 0 for a in ages):
         return "queue_age always said 0: measure it, from the oldest order the durable has not seen acked"
+    # Which wrong number was read: the newest order's age, or the depth turned into seconds?
+    busy = [s for s in wrong if s.age is not None and s.depth > 0]
+
+    def like_newest(s: Sampled) -> bool:
+        at_a, at_b = truth.newest(s.a), truth.newest(s.b)
+        if at_a is None or at_b is None or s.age is None:
+            return False
+        return max(0.0, s.a - at_b) - AGE_TOLERANCE / 2 <= s.age <= s.b - at_a + AGE_TOLERANCE / 2
+
+    if len(busy) >= 3 and sum(map(like_newest, busy)) >= 0.8 * len(busy):
+        return (
+            "your age is the newest order's (the last one stored): while orders keep coming the newest is always "
+            "young, and a stalled or stuck queue looks fresh. The queue's age is its oldest unfinished order's: "
+            "the first one after the durable's ack floor"
+        )
+    # The age a fixed time per order, at every depth seen (the depth is read just after the age: medians per depth).
+    by_depth: dict[int, list[float]] = {}
+    for x in busy:
+        if x.age:
+            by_depth.setdefault(x.depth, []).append(x.age / x.depth)
+    medians = sorted(sorted(r)[len(r) // 2] for r in by_depth.values())
+    per_order = medians[len(medians) // 2] if medians else 0.0
+    spread = len(by_depth) >= 3 and max(by_depth) >= 3 * min(by_depth)
+    close = sum(abs(m - per_order) <= 0.25 * per_order for m in medians)
+    if spread and per_order > 0 and close >= 0.8 * len(medians):
+        return (
+            f"your age moves with the depth (about {per_order * 1000:.0f} ms per order): a count is "
+            "not a time. Hundreds of orders that landed a moment ago have waited a moment, and one stuck order can "
+            "wait for ever: read the oldest unfinished order's stored time"
+        )
     late = [s for s in wrong if s.phase in ("stuck", "drained") and s.age is not None and s.age > s.ub + 1.0]
+    starts = lab.cancels_at[:1] + [h.ts for h in truth.orders[:1]]
+    stream_first = min(starts, default=lab.run.t0)  # about when the stream stored its first message
+
+    def like_first(s: Sampled) -> bool:
+        return s.age is not None and abs(s.age - (s.a - stream_first)) <= 0.1 + (s.b - s.a)
+
+    if late and sum(map(like_first, late)) < 0.8 * len(late) and phases & {"quiet", "drained"}:
+        late = []  # growing, but not from the stream's first message: the cancellation after the floor (below)
     if late:
         return (
             "your age kept growing for the whole run: the stream keeps acked orders (limits retention), so "
@@ -972,7 +1119,7 @@ def _status_hint(expected: str, got: Any, samples: list[Sample], budget: float) 
 
 
 def _judged(p: Placed) -> bool:
-    return p.outcome in (ACCEPTED, BUSY) and not p.stream_refusing
+    return p.outcome in (ACCEPTED, BUSY) and not p.stream_refusing and not p.confirmation_lost
 
 
 def _refuses_over_check(lab: Lab, truth: Truth) -> Check:
@@ -1190,6 +1337,70 @@ def _lost_check(lab: Lab, truth: Truth) -> Check:
         f"{', '.join(p.order_id for p in unprocessed[:8])}."
     )
     return Check(name, title, False, message, hint="publish orders to env.subject('orders.placed') as JSON")
+
+
+def _stored_once_check(lab: Lab, truth: Truth) -> Check:
+    name = "stored_once"
+    title = "a publish without a confirmation is settled by asking again: each order stored once, answered as stored"
+    copies: dict[str, int] = {}
+    for h in truth.orders:
+        if h.order_id and h.order_id.startswith("o-"):  # the customers' orders (the grader's own have other ids)
+            copies[h.order_id] = copies.get(h.order_id, 0) + 1
+    for lost in lab.lost:
+        p = next((q for q in lab.placed if q.order_id == lost.order_id), None)
+        if p is None or not lost.planned.fired:
+            continue  # rule 1 says so
+        n = copies.get(lost.order_id, 0)
+        how = (
+            "the stream stored it and sent no confirmation"
+            if lost.kind == "reply"
+            else "the stream, full, refused it and sent no refusal"
+        )
+        retry = (
+            "publish the same order again, marked as the same (the Nats-Msg-Id header: the order's id), until the "
+            "stream answers; it stores a retry once and confirms it (as a duplicate when it had the order)"
+        )
+        if p.outcome == "hung":
+            message = (
+                f"{p.order_id} {p.answer()}: {how}, and the publish waited for an answer that never came "
+                "(nats-py's JetStream publish waits 5 s unless told otherwise)."
+            )
+            hint = (
+                "give the publish a timeout of your own, well under a second, and treat a timeout as unknown: " + retry
+            )
+        elif p.outcome in ("failed", "other", "gone"):
+            message = f"{p.order_id}: {how}; place_order {p.answer()}."
+            hint = "a publish that times out is an unknown outcome, not an error to pass on: " + retry
+        elif n > 1:
+            message = (
+                f"the stream holds {n} copies of {p.order_id}: {how}, and the retry stored it again, so the workers "
+                "fulfil it twice."
+            )
+            hint = "a retry must be recognisable as the same order: the same Nats-Msg-Id (its id) on every publish"
+        elif p.outcome == BUSY and n:
+            message = (
+                f"{p.order_id} was answered BUSY, but the stream holds it ({how}): the customer hears 'try later' and "
+                "the order ships anyway."
+            )
+            hint = "a timeout is not a refusal: " + retry
+        elif p.outcome == ACCEPTED and not n:
+            message = f"{p.order_id} was answered ACCEPTED, but the stream never stored it: {how}."
+            hint = "a timeout is not a confirmation either: " + retry
+        else:
+            continue
+        return Check(name, title, False, message, hint=hint)
+    twice = sorted(oid for oid, n in copies.items() if n > 1)
+    if twice:
+        message = (
+            f"the stream holds {plural(len(twice), 'order')} more than once ({', '.join(twice[:5])}): the workers "
+            "fulfil each copy."
+        )
+        return Check(name, title, False, message, hint="publish each order once, or mark every publish of it with "
+                     "the same Nats-Msg-Id (its id) so the stream stores it once")  # fmt: skip
+    if not any(lost.planned.fired for lost in lab.lost):
+        return Check(name, title, False, "could not be tested: no publish met a lost confirmation.",
+                     hint="publish every order you accept")  # fmt: skip
+    return Check(name, title, True)
 
 
 # --- the synthetic windows run before the live phases end ---------------------------------------

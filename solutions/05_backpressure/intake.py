@@ -28,6 +28,8 @@ from nats.js.errors import APIError, NotFoundError
 ACCEPTED, BUSY = "accepted", "busy"
 RATE_WINDOW = 1.0  # seconds of calls the drain rate is measured over ...
 RATE_SPAN = 0.1  # ... and at least this many
+PUBLISH_TIMEOUT = 0.4  # seconds to wait for the stream's confirmation (nats-py's JetStream default: 5 s) ...
+PUBLISH_TRIES = 4  # ... this many times: a customer has an answer within two seconds
 
 
 async def queue_depth(env) -> int:
@@ -65,32 +67,45 @@ async def place_order(env, order) -> str:
         return BUSY  # the oldest order already waits longer than we promise: say so now
     if await forecast_wait(env) > env.age_budget:
         return BUSY  # not broken yet, but an order placed now would wait too long
-    try:
-        await env.js.publish(env.subject("orders.placed"), json.dumps(order).encode())
-    except APIError as exc:
-        if exc.err_code == 10077:  # the stream is full (discard-new): busy, try later
-            return BUSY
-        raise
-    return ACCEPTED
+    body = json.dumps(order).encode()
+    for _ in range(PUBLISH_TRIES):
+        try:
+            # The order's id as Nats-Msg-Id: the stream stores a retry of it once (its duplicate window).
+            await env.js.publish(
+                env.subject("orders.placed"), body, timeout=PUBLISH_TIMEOUT, headers={"Nats-Msg-Id": str(order["id"])}
+            )
+        except TimeoutError:
+            continue  # no confirmation: stored or not, unknown; ask again, and the stream's answer settles it
+        except APIError as exc:
+            if exc.err_code == 10077:  # the stream is full (discard-new): busy, try later
+                return BUSY
+            raise
+        return ACCEPTED  # confirmed (perhaps as a duplicate of a publish whose confirmation was lost)
+    return BUSY  # still unknown: the customer tries again later, with the same id, and is not charged twice
 
 
 async def forecast_wait(env) -> float:
     """Seconds an order placed now would wait: the orders ahead of it, and itself, over the rate the workers
-    finish them (Little's law; the age trails this wait by the ratio of arrivals to drain rate). The rate is
-    measured from the durable's count of finished deliveries over this process's calls of the last second."""
+    finish them (Little's law; the age trails this wait by the ratio of arrivals to drain rate).
+
+    The rate is measured over this process's calls of the last second, only across spans that began with orders
+    waiting: with none waiting, the workers finish what arrives, which says nothing of how fast they can go.
+    """
     readings = env.__dict__.setdefault("finished_readings", deque())
     while True:
         info = await env.js.consumer_info(env.stream("ORDERS"), env.durable("fulfil"))
         depth = info.num_pending + info.num_ack_pending
         now, finished = time.monotonic(), info.delivered.consumer_seq - info.num_ack_pending
-        readings.append((now, finished))
-        while len(readings) > 2 and now - readings[1][0] >= RATE_WINDOW:
-            readings.popleft()  # keep one reading at least RATE_WINDOW old, if there is one
+        readings.append((now, finished, depth))
+        while now - readings[0][0] > RATE_WINDOW:
+            readings.popleft()
         if depth == 0:
             return 0.0  # an empty queue always has room
-        if now - readings[0][0] >= RATE_SPAN:
+        pairs = zip(list(readings)[:-1], list(readings)[1:], strict=True)
+        spans = [(t2 - t1, f2 - f1) for (t1, f1, d1), (t2, f2, _) in pairs if d1]
+        busy = sum(dt for dt, _ in spans)
+        if busy >= RATE_SPAN:
             break
-        await asyncio.sleep(RATE_SPAN)  # this process has no rate yet: measure one
-    then, finished_then = readings[0]
-    rate = (finished - finished_then) / (now - then)
+        await asyncio.sleep(RATE_SPAN)  # no rate measured with orders waiting: measure one now
+    rate = sum(done for _, done in spans) / busy
     return (depth + 1) / rate if rate > 0 else math.inf

@@ -2,6 +2,7 @@
 
 While orders keep coming the newest is always young, so a stalled queue never looks old.
 Expect: fail age_tracks_truth, refuses_over_budget
+Says: the newest order's
 """
 
 

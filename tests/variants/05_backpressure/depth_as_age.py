@@ -2,6 +2,7 @@
 
 The deep import (hundreds of orders, a moment old) looks seconds old, the stuck order looks new.
 Expect: fail age_tracks_truth, not_fooled_by_depth
+Says: a count is not a time
 """
 
 

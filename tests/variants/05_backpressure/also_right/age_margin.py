@@ -1,5 +1,6 @@
 """Written differently: admission by the age against a margin, budget / 4, since the README says orders
-can arrive up to about five times as fast as the workers finish them (the lesson: a threshold near budget / k).
+can arrive up to about five times as fast as the workers finish them (the lesson: a threshold near budget / k);
+a publish that times out is retried until a deadline, with the order's id as Nats-Msg-Id.
 
 Expect: pass
 """
@@ -7,6 +8,7 @@ Expect: pass
 import json
 import time
 
+import nats.errors
 from nats.js.errors import APIError, NotFoundError
 
 ACCEPTED, BUSY = "accepted", "busy"
@@ -45,10 +47,18 @@ async def place_order(env, order) -> str:
     """BUSY while the oldest order has waited more than a quarter of the budget; otherwise publish and confirm."""
     if await queue_age(env) > env.age_budget / 4:
         return BUSY
-    try:
-        await env.js.publish(env.subject("orders.placed"), json.dumps(order).encode())
-    except APIError as exc:
-        if exc.err_code == 10077:
-            return BUSY
-        raise
-    return ACCEPTED
+    deadline = time.monotonic() + 1.5  # the customer has an answer within two seconds
+    while time.monotonic() < deadline:
+        try:
+            await env.js.publish(
+                env.subject("orders.placed"), json.dumps(order).encode(), timeout=0.3,
+                headers={"Nats-Msg-Id": order["id"]},  # a retry is the same order: stored once
+            )
+            return ACCEPTED
+        except nats.errors.TimeoutError:
+            pass  # stored or not, unknown: publish it again
+        except APIError as exc:
+            if exc.err_code == 10077:
+                return BUSY
+            raise
+    return BUSY

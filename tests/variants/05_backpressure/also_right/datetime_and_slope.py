@@ -1,7 +1,8 @@
 """Written differently: the age from the server's clock as a timedelta, an early return on an empty
 queue, the trend as a slope, the stream's refusal told apart by its class, and admission by a forecast:
 a background task tracks how fast the ack floor advances, and an order is refused when the orders
-ahead of it would take longer than the budget at that pace.
+ahead of it would take longer than the budget at that pace; a publish without a confirmation is
+asked again a few times, under a message id of its own making.
 
 Expect: pass
 """
@@ -81,9 +82,16 @@ async def place_order(env, order) -> str:
                 return BUSY
         elif rate <= 0 or (depth + 1) / rate > env.age_budget:
             return BUSY
-    try:
-        ack = await env.js.publish(env.subject(SUBJECT), json.dumps(order).encode(), timeout=2)
-    except ServiceUnavailableError:  # maximum messages exceeded: the stream is full
-        return BUSY
-    assert ack.seq > 0
-    return ACCEPTED
+    for _ in range(6):
+        try:
+            ack = await env.js.publish(
+                env.subject(SUBJECT), json.dumps(order).encode(), timeout=0.25,
+                headers={"Nats-Msg-Id": f"order:{order['id']}"},
+            )
+        except ServiceUnavailableError:  # maximum messages exceeded: the stream is full
+            return BUSY
+        except asyncio.TimeoutError:  # no confirmation: ask again; the same id is stored once
+            continue
+        assert ack.seq > 0
+        return ACCEPTED
+    return BUSY

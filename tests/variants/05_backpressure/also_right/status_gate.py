@@ -68,12 +68,20 @@ async def place_order(env, order) -> str:
     # that many times the age: the intake holds itself to a quarter of the budget.
     if queue_status([now], env.age_budget / 4) == "ERROR":
         return BUSY
+    return await _publish_until_answered(env, order)
+
+
+async def _publish_until_answered(env, order, tries=3) -> str:
+    """A publish whose confirmation is lost is an unknown outcome: the same message again settles it."""
     try:
         await env.js.publish(
-            env.subject("orders.placed"), json.dumps(order).encode(), headers={"Nats-Msg-Id": str(order["id"])}
+            env.subject("orders.placed"), json.dumps(order).encode(), timeout=0.5,
+            headers={"Nats-Msg-Id": str(order["id"])},
         )
     except APIError as exc:
         if exc.err_code == STREAM_FULL:
             return BUSY
         raise
+    except TimeoutError:
+        return await _publish_until_answered(env, order, tries - 1) if tries > 1 else BUSY
     return ACCEPTED
