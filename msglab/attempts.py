@@ -6,8 +6,10 @@ records an attempt: `--solution` and direct calls to `grade()` (the test suite's
 
 Hint levels (the lab pattern in msglab.grading): level 1 is the verdict itself; when the same check
 fails in 2 attempts in a row, `msglab hint NN` shows level 2 (concept, lesson cell), after 3 level 3
-(code); a pass of that check closes them again. After 3 failed attempts at a lab its verdict says
-where the reference solution is (not before: the learner should meet the problem first).
+(code); a pass of that check closes them again. Once the same check has failed 3 attempts in a
+row, the verdict says where the reference solution is (not before: the learner should meet the
+problem first, and three different mistakes fixed one by one are progress, not being stuck). A
+lesson's demonstration check (`msglab.check(..., attempt=False)`) is no attempt at all.
 
 (The module is not called `progress`: `msglab.progress()` is the notebook's function, and a
 submodule of that name would replace it on the package the first time it is imported.)
@@ -34,7 +36,7 @@ from msglab.errors import LabError, MsglabError
 from msglab.grading.verdict import Verdict
 
 STATE_ENV = "MSGLAB_STATE_DIR"
-SOLUTION_AFTER = 3  # failed attempts at a lab before its verdict says where the solution is
+SOLUTION_AFTER = 3  # failed attempts of one check in a row before its verdict says where the solution is
 LABEL = 18  # width of "level 2, lesson" and its kin in `msglab hint`
 LEVEL_NAMES = {2: "level 2 (the idea, and the lesson cell that shows it)", 3: "level 3 (code-level)"}
 
@@ -98,6 +100,10 @@ class LabRecord:
             self.failed_attempts += 1
         elif self.first_passed is None:
             self.first_passed, self.first_passed_seed = now, verdict.seed
+
+    def stuck(self) -> bool:
+        """Whether one check has failed SOLUTION_AFTER attempts in a row: then the solution is named."""
+        return max(self.streaks.values(), default=0) >= SOLUTION_AFTER
 
     def level(self, check: str, hint: Hint | None) -> int:
         """The hint level open for `check`: 1 + one per repeated failure, capped by what lab.toml has."""
@@ -204,7 +210,7 @@ def next_steps(lab: Lab, entry: LabRecord, verdict: Verdict) -> list[str]:
             lines.append(f"`msglab hint {lab.number}` now shows {LEVEL_NAMES[level]} for: {'; '.join(titles)}")
     if not lines and any(hint and hint.top_level > opened for _, hint, opened in failed):
         lines.append(f"fail the same check again and `msglab hint {lab.number}` shows more about it")
-    if entry.failed_attempts >= SOLUTION_AFTER:
+    if entry.stuck():
         lines.append(solution_pointer(lab, entry))
     return lines
 
@@ -264,7 +270,7 @@ def hint_text(lab: Lab) -> str:
         elif level < top:
             lines.append(f"  level {level + 1} opens if this check fails again")
     lines += ["", f"the whole verdict again: msglab check {lab.number} --seed {entry.last_seed}"]
-    if entry.failed_attempts >= SOLUTION_AFTER:
+    if entry.stuck():
         lines.append(solution_pointer(lab, entry))
     return "\n".join(lines)
 

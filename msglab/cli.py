@@ -28,7 +28,7 @@ def _check(args: argparse.Namespace) -> int:
     from msglab.grading.grade import grade
 
     verdict = grade(args.lab, solution=args.solution, seed=args.seed)
-    if not args.solution:
+    if not args.solution and args.attempt:
         _record(verdict)
     print(verdict.to_json() if args.json else verdict.to_text())
     return 0 if verdict.passed else 1
@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--solution", action="store_true", help="grade the reference solution instead of your file")
     check.add_argument("--seed", type=int, help="replay the faults of an earlier run")
     check.add_argument("--json", action="store_true", help="print the verdict (or the error) as JSON")
+    check.add_argument(
+        "--no-attempt", dest="attempt", action="store_false", help="a demonstration: do not count it as an attempt"
+    )
     check.set_defaults(func=_check)
     hint = sub.add_parser("hint", help="the hints open for the checks that failed in your last check")
     hint.add_argument("lab", help=lab_help)

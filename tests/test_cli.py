@@ -52,6 +52,13 @@ def test_check_solution_passes_with_exit_0_and_names_the_server(state_dir: Path)
     assert not state_dir.exists(), "grading the reference solution is no attempt of the learner's"
 
 
+def test_a_lessons_demonstration_check_is_no_attempt(state_dir: Path) -> None:
+    done = run_cli("check", "01", "--seed", "7", "--no-attempt")  # what lesson 00 runs on the starter
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout and "now shows" not in done.stdout
+    assert not state_dir.exists(), "a demonstration opens no hint level and counts towards no solution"
+
+
 def test_json_verdict_is_machine_readable_for_autograders() -> None:
     done = run_cli("check", "01_request_reply_vs_events", "--solution", "--json", "--seed", "2")
     verdict = json.loads(done.stdout)

@@ -120,7 +120,14 @@ def test_a_typo_in_the_hint_table_names_the_file_and_the_key(tmp_path: Path, mon
     assert "lab.toml: hints.no_lost_invoices may only hold the strings concept, lesson, code" in done.stderr
 
 
-def test_the_solution_is_not_mentioned_before_three_failed_attempts(course: Path) -> None:
+def test_three_different_mistakes_in_a_row_do_not_name_the_solution(course: Path) -> None:
+    for check in ("no_lost_invoices", "no_double_invoices", "no_lost_invoices"):  # each fixed, then another
+        failed = verdict(check)
+        failed.notes = attempts.record(failed)
+        assert "solution" not in failed.to_text() + failed._repr_html_()
+
+
+def test_the_solution_is_not_mentioned_before_three_failed_attempts_of_one_check(course: Path) -> None:
     for attempt in (1, 2, 3):
         failed = verdict("no_lost_invoices")
         failed.notes = attempts.record(failed)

@@ -30,11 +30,16 @@ class CheckError:
         return f"<div style='color:#9a6700'><b>msglab could not check:</b><pre>{html.escape(self.text)}</pre></div>"
 
 
-def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Verdict | CheckError:
-    """Grade lab `lab` in a fresh process and return the verdict for display."""
+def check(lab: str, *, solution: bool = False, seed: int | None = None, attempt: bool = True) -> Verdict | CheckError:
+    """Grade lab `lab` in a fresh process and return the verdict for display.
+
+    `attempt=False`: a lesson's demonstration, not the learner's attempt (no hint level opens).
+    """
     args = [sys.executable, "-m", "msglab", "check", str(lab), "--json"]
     if solution:
         args.append("--solution")
+    if not attempt:
+        args.append("--no-attempt")
     if seed is not None:
         args += ["--seed", str(seed)]
     done = subprocess.run(args, capture_output=True, text=True)
