@@ -1,5 +1,6 @@
 """The course audits itself (as rustlings does): every lab has TODOs, a solution and a README, names
-follow the numbering rule, and no notebook is committed with outputs. (That every starter fails and
+follow the numbering rule, each lab has a variant pasted from its lesson that must fail, and no
+notebook is committed with outputs. (That every starter fails and
 teaches and every solution passes is graded once, in tests/test_variants.py.)"""
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def test_lab_has_todos_and_a_solution_file(lab: Lab) -> None:
     assert all(t.strip().endswith(".") for t in todos), "each TODO is one imperative sentence ending in a period"
     assert lab.source(solution=True).is_file()
     assert (lab.folder / "README.md").is_file(), "each lab folder explains its task"
+
+
+@pytest.mark.parametrize("lab", LABS, ids=[lab.number for lab in LABS])
+def test_lab_has_a_variant_pasted_from_its_lesson_that_must_fail(lab: Lab) -> None:
+    """A PASS must mean the learner transferred the idea: a file built from the lesson's own cells
+    (tests/variants/NN_x/from_lesson*.py) fails, and names the checks it fails (tests/test_variants.py
+    grades it on its seeds, so the audit stays honest as the lesson changes)."""
+    pasted = sorted((ROOT / "tests" / "variants" / lab.name).glob("from_lesson*.py"))
+    assert pasted, f"{lab.name} has no tests/variants/{lab.name}/from_lesson*.py built from its lesson's cells"
+    for path in pasted:
+        assert re.search(r"^\s*Expect:\s*fail\s+\w", path.read_text(), re.M), f"{path.name} must expect to fail"
 
 
 def test_no_notebook_is_committed_with_outputs() -> None:
