@@ -158,7 +158,7 @@ def test_every_check_has_hints_in_lab_toml(no_nats_url: None) -> None:
     verdict = grade("02", solution=True, seed=1)
     assert verdict.passed, verdict.to_text()
     names = {c.name for c in verdict.checks}
-    assert len(names) == 11
+    assert len(names) == 12
     missing = names - set(LAB.hints)
     assert not missing, f"lab.toml has no [hints.<id>] for {sorted(missing)}"
     assert all(LAB.hints[n].concept and LAB.hints[n].lesson and LAB.hints[n].code for n in names)

@@ -307,6 +307,7 @@ class Billing:
         run.on("settled", self.on_settled)
         run.on("reject", self.on_reject)
         run.on("guarantees", self.on_guarantees)
+        run.workload.only("send_invoice", "invoice_sent", "settled")  # the calls crash points count, by order id
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -317,6 +318,7 @@ class Billing:
             outage = self.outages.pop(0) if kind == "transient" else 0.0
             body = {"order_id": key, "customer": customer, "amount": 40 + 5 * number}
             self.publishing[key] = stored = asyncio.Event()
+            self.run.workload.add(key)  # a planned kill lands only on calls about requests the run published
             seq = await TOPOLOGY.publish(self.run, json.dumps(body).encode())
             takes = self.plan.slow if kind == "slow" else 0.0
             request = Request(key, seq, kind, customer, time.time(), outage, takes)
@@ -673,6 +675,7 @@ async def grade(run: Run) -> list[Check]:
         _acked_check(lab, info),
         rules.survives_idle(run.at, proof, current, handled_by, lab.trace(late), IDLE_WORDS),
         _guarantees_check(lab),
+        run.workload_check("invoice"),
     ]
 
 
