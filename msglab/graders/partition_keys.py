@@ -63,7 +63,7 @@ BUDGET = 36.0  # seconds all phases may take together: the platform stops a run 
 POISON_WINDOW = 3.0  # the back office resolves the poisoned order once the others are applied, or after this
 IDLE_DEADLINE, LATE_DEADLINE = 4.0, 3.0
 # Throughput, judged as ratios that load cannot break, never a time. On n=4 the busiest worker applies at
-# most 1/SPREAD of the backlog (a count: key by order gives 1/3.2-1/2.2 on these seeds, by customer about
+# most 1/SPREAD of the backlog (a count: key by order gives 1/3.7-1/2.2 on these seeds, by customer about
 # 1/1.1), and applies of different workers run at once for at least PARALLEL of the n=4 span (a share: one
 # event in flight for all partitions gives exactly 0; parallel partitions 0.6-0.9 measured, less on a starved CPU).
 # The speed-up itself (n=1's span over n=4's, 2-3.7 idle) is reported, not judged: with every core starved
