@@ -143,10 +143,68 @@ def test_provider_answers_like_an_email_api(server: EmbeddedServer) -> None:
     assert ep.EmailApiError("503 Service Unavailable: down").status == 503
 
 
+def test_a_reset_after_the_send_leaves_the_email_sent_and_a_key_sends_it_once(server: EmbeddedServer) -> None:
+    async def go() -> tuple[list[Any], list[ep.Sent], list[ep.Request]]:
+        nc = await connect(server.url)
+        provider = ep.start(server.url, prefix="test04.provider")
+        email = {"order_id": "o-1046", "to": "rita@example.com", "template": "order_confirmation"}
+        outcomes: list[Any] = []
+
+        async def send(key: str | None) -> None:
+            try:
+                outcomes.append(await ep.send(nc, provider.subject, email, idempotency_key=key))
+            except ConnectionResetError:
+                outcomes.append("reset")
+
+        try:
+            for key in (None, "o-1046-confirmation"):
+                await provider.control(nc, "script", address="Rita@example.com", answers=["reset_after_send"])
+                await send(key)
+                await send(key)
+            await send("another key")
+            return outcomes, provider.sent("o-1046"), provider.requests("o-1046")
+        finally:
+            provider.stop()
+            await nc.close()
+
+    outcomes, sent, requests = asyncio.run(go())
+    assert [o if o == "reset" else "id" for o in outcomes] == ["reset", "id", "reset", "id", "id"]
+    assert len(sent) == 4  # unkeyed: the reset's email and the retry's; keyed: one; another key: one more
+    assert outcomes[3] == sent[2].message_id  # the keyed retry got the email its reset hid
+    assert [r.status for r in requests] == [200] * 5
+    assert [r.outcome for r in requests] == ["sent, then reset", "sent", "sent, then reset", "replayed", "sent"]
+
+
 def test_hot_loop_delivers_the_poison_over_and_over(no_nats_url: None, server: EmbeddedServer) -> None:
     hot = bench_run(server, nak_at_once, ["o-1042 bounce", "o-2001 ok"], seconds=0.5)
     assert hot.deliveries("o-1042") > 5 and set(hot.answers("o-1042")) == {422}
     assert hot.sent["o-2001"] == 1 and hot.settles("o-1042")[0] == "nak"
+
+
+async def classify_keyed(env: Any, msg: Any) -> None:
+    n = msg.metadata.num_delivered
+    email = json.loads(msg.data)
+    try:
+        await env.send_email(email, idempotency_key=f"{email['order_id']}-{email['template']}")
+    except Exception as error:
+        if transient(error) and n < 5:
+            await msg.nak(delay=DELAYS[n - 1])
+        else:
+            await msg.term()
+        return
+    await msg.ack_sync()
+
+
+def test_a_retry_after_a_reset_sends_twice_and_once_with_an_idempotency_key(
+    no_nats_url: None, server: EmbeddedServer
+) -> None:
+    twice = bench_run(server, with_dlq, ["o-1046 reset_after_send", "o-2001 ok"], max_deliver=5)
+    once = bench_run(server, classify_keyed, ["o-1046 reset_after_send", "o-2001 ok"], max_deliver=5)
+    for run in (twice, once):
+        assert run.answers("o-1046") == {0: 1, 200: 1} and run.deliveries("o-1046") == 2
+        assert run.settles("o-1046") == ["nak 0.05", "ack"] and run.sent["o-2001"] == 1
+    assert twice.sent["o-1046"] == 2 and once.sent["o-1046"] == 1
+    assert [row[3] for row in twice.summary().rows] == [2, 1]
 
 
 def test_dead_letters_once_with_an_id_and_twice_without_after_a_kill(no_nats_url: None, server: EmbeddedServer) -> None:

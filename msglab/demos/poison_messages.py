@@ -10,10 +10,13 @@ its own, through the grading harness with this module as the "grader", on a stre
 for that run (`max_deliver`, `backoff`, `max_ack_pending`, `ack_wait` as asked). Each email is a
 string "<order id> <kind>": ok, bounce (the provider answers 422 forever), template (400: the
 template is not deployed), unreachable (502: the recipient's mail server is down), outage (an
-ordinary email, but the provider is down for `outage` seconds from the run's first request).
+ordinary email, but the provider is down for `outage` seconds from the run's first request),
+reset_after_send (the provider sends it, then the connection drops: the worker sees a reset). A
+handler's `env.send_email(email, idempotency_key=...)` sends the key as the Idempotency-Key header.
 Every delivery, settle (ack, nak with its delay, term), provider answer, dead letter and kill is recorded in the
-notebook's process with its clock; `Result` counts them. `kill="after_dead_letter"` SIGKILLs the
-first worker right after the DLQ stream confirmed its first dead letter, and starts a second one.
+notebook's process with its clock, and every email the provider's store holds from the run; `Result` counts
+them. `kill="after_dead_letter"` SIGKILLs the first worker right after the DLQ stream confirmed its first
+dead letter, and starts a second one.
 `copier=` runs a second process that turns the server's MAX_DELIVERIES advisories into dead
 letters; `redrive=` runs a cell's redrive function after `fix` (the causes of those orders are
 fixed at the provider), `redrive_runs` times, `redrive_gap` seconds apart; `window` shortens the email
@@ -56,7 +59,7 @@ DURABLE = "email"
 ADVISORY_DURABLE = "dead_letters"
 PROVIDER_PREFIX = "lesson04.provider"
 ACK_WAIT = 0.5  # seconds; production uses 30 s or more
-KINDS = ("ok", "bounce", "template", "unreachable", "outage")
+KINDS = ("ok", "bounce", "template", "unreachable", "outage", "reset_after_send")
 HEADER = "from __future__ import annotations\n\nimport asyncio\nimport json\nimport time\nfrom typing import Any\n"
 
 _provider: ep.Provider | None = None
@@ -84,8 +87,10 @@ def _add_effects(env: Any) -> None:
     watch on dead letters: a confirmed publish to the DLQ is a call the run may SIGKILL the process on."""
     from nats.js.client import JetStreamContext
 
-    async def send_email(email: Any) -> str:
+    async def send_email(email: Any, idempotency_key: str | None = None) -> str:
         detail = {"to": str(email.get("to")), "template": str(email.get("template"))}
+        if idempotency_key is not None:
+            detail["idempotency_key"] = str(idempotency_key)
         return env.world.call("send_email", str(email.get("order_id")), **detail)
 
     env.send_email = send_email
@@ -214,13 +219,15 @@ def parse(spec: str) -> er.EmailRequest:
     kind = kind or "ok"
     if kind not in KINDS:
         raise ValueError(f"{spec!r}: the kind is one of {', '.join(KINDS)}")
+    if kind == "reset_after_send":  # the provider's scripted first answer for this address
+        return er.EmailRequest.make(order, "flaky", script=("reset_after_send",))
     return er.EmailRequest.make(order, kind)  # outage: an ordinary email, sent while the provider is down
 
 
 @dataclass
 class Row:
     t: float  # seconds since the first email was published
-    kind: str  # published, delivery, settle, attempt, dead_letter, kill, exhausted, advisory, fixed, redrive
+    kind: str  # published, delivery, settle, attempt, email, dead_letter, kill, exhausted, advisory, fixed, redrive
     order: str
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -284,7 +291,7 @@ class _Runner:
         self.lab = lab
         self.plan = plan
         self.rows: list[Row] = []
-        self.t0 = time.time()
+        self.t0 = self.since = time.time()  # since: the provider's emails from before belong to earlier runs
         self.exhausted: dict[int, float] = {}
         self.advisories = 0
 
@@ -373,7 +380,7 @@ class _Runner:
             from msglab.grading.harness import Refuse
 
             ts = time.time()
-            answer = await er.forward(bench.nc, bench.provider.subject, key or "", detail)
+            answer = await _forward(bench.nc, bench.provider.subject, key or "", detail)
             self.row("attempt", key or "", ts, status=answer.status, text=answer.text, pid=child.pid)
             if answer.error:
                 raise Refuse(answer.error, answer.text)
@@ -433,6 +440,20 @@ class _Runner:
             self.row("kill", e.key or "", e.ts, pid=e.pid)
         for seq, ts in self.exhausted.items():
             self.row("exhausted", seqs.get(seq, "?"), ts, seq=seq)
+        for email in self.bench.provider.sent():  # what the recipients got, whatever the workers were told
+            if email.ts >= self.since:
+                self.row("email", email.order_id or "", email.ts, message_id=email.message_id)
+
+
+async def _forward(nc: Any, subject: str, order: str, detail: dict[str, Any]) -> er.Answer:
+    """er.forward, with the worker's idempotency key when it gave one."""
+    email = {"order_id": order, "to": detail.get("to"), "template": detail.get("template")}
+    try:
+        return er.Answer(200, await ep.send(nc, subject, email, idempotency_key=detail.get("idempotency_key")))
+    except ep.EmailApiError as exc:
+        return er.Answer(exc.status, str(exc))
+    except ConnectionResetError as exc:
+        return er.Answer(0, str(exc))
 
 
 class RedriveEnv:
@@ -524,11 +545,11 @@ class Result:
 
     @property
     def sent(self) -> Counter[str]:
-        """Emails the provider sent, by order."""
-        return Counter(r.order for r in self._of("attempt") if r.detail.get("status") == 200)
+        """Emails the provider sent, by order, as its store holds them (an answer lost to a reset included)."""
+        return Counter(r.order for r in self._of("email"))
 
     def sent_after(self, t: float) -> Counter[str]:
-        return Counter(r.order for r in self._of("attempt") if r.detail.get("status") == 200 and r.t >= t)
+        return Counter(r.order for r in self._of("email") if r.t >= t)
 
     @property
     def exhausted(self) -> list[str]:
@@ -627,12 +648,12 @@ class Result:
         return "termed" if "term" in self.settles(order) else "still retrying"
 
     def summary(self) -> Table:
-        """One row per email: deliveries, the provider's answers, where it ended."""
+        """One row per email: deliveries, the provider's answers, the emails it sent, where it ended."""
         rows = []
         for spec in self.emails:
             answers = ", ".join(f"{k if k else 'reset'}×{v}" for k, v in sorted(self.answers(spec).items()))
-            rows.append([spec, self.deliveries(spec), answers or "-", self.ended(spec)])
-        return Table(["order", "deliveries", "provider answered", "ended"], rows)
+            rows.append([spec, self.deliveries(spec), answers or "-", self.sent[spec], self.ended(spec)])
+        return Table(["order", "deliveries", "provider answered", "emails sent", "ended"], rows)
 
     def __repr__(self) -> str:
         sent, dead = sum(self.sent.values()), len(self.dlq)

@@ -7,7 +7,8 @@ says "transient" or "permanent"; the caller judges that from the status, as with
     503 Service Unavailable   the provider is down (an outage, a deploy)           retry later
     429 Too Many Requests     the caller is over its rate limit                   retry later
     502 Bad Gateway           the recipient's mail server is not answering        retry later
-    connection reset          the connection dropped (ConnectionResetError)       retry later
+    connection reset          the connection dropped (ConnectionResetError)       retry later, but it may
+                                                                                  have been sent already
     400 Bad Request           the request names a template that does not exist     the same request fails again
     422 Unprocessable Entity  the recipient's mailbox does not exist               the same request fails again
 
@@ -16,6 +17,12 @@ or {"error": text, "status": code} (status 0 with "reset": true for a dropped co
 `<prefix>.control` changes how it behaves (an outage of some seconds, a missing mailbox, an
 unknown template, an unreachable recipient domain, scripted failures for one address), as a
 lesson or a grader needs. Every request and every email sent is a row in its store.
+
+A dropped connection is ambiguous: the scripted answer `reset_after_send` sends the email, then
+answers as a reset, so the caller cannot tell it went out. A request with an `Idempotency-Key`
+header (as Resend's API takes one) is sent once per key: a repeat gets the first email's id back
+with "replayed": true and sends nothing. Keys are kept for the store's life; without one, every
+request that gets through is a new email.
 
 Run it:  python -m msglab.world.email_provider --url nats://127.0.0.1:4222 --db provider.sqlite
 From Python: `provider = start()` (its own process) or `await attach(nc, db_path)` (served on a
@@ -62,10 +69,18 @@ create table if not exists requests (
     to_addr text,
     template text,
     status integer not null,     -- 200 sent, else the error status (0: connection reset)
-    outcome text not null         -- 'sent' or the error text
+    outcome text not null         -- 'sent' or the error text ('sent, then reset', 'replayed': a key's repeat)
+);
+create table if not exists idempotency_keys (
+    key text primary key,
+    message_id text not null,
+    ts real not null
 );
 """
 
+KEY_HEADER = "Idempotency-Key"
+RESET = "[Errno 104] Connection reset by peer"
+SENT_THEN_RESET = "sent, then reset"  # Behaviour.answer's text for a 200 whose answer the caller never gets
 _STATUS = re.compile(r"^\s*(\d{3})\b")
 
 
@@ -97,7 +112,8 @@ class Behaviour:
     templates: set[str] = field(default_factory=lambda: set(TEMPLATES))
     missing_mailboxes: set[str] = field(default_factory=set)
     unreachable_domains: set[str] = field(default_factory=set)
-    scripted: dict[str, list[str]] = field(default_factory=dict)  # address -> next answers (503, 502, 429, reset)
+    # address -> next answers: 503, 502, 429, reset, reset_after_send (sent, then the connection drops)
+    scripted: dict[str, list[str]] = field(default_factory=dict)
 
     def control(self, op: str, **args: Any) -> dict[str, Any]:
         """Apply one control operation; returns what the provider now does."""
@@ -139,7 +155,8 @@ class Behaviour:
         }
 
     def answer(self, to: str, template: str) -> tuple[int, str]:
-        """(status, text) for one send request: 200 and '' when the email goes out."""
+        """(status, text) for one send request: 200 and '' when the email goes out; 200 and SENT_THEN_RESET
+        when it goes out and the caller gets a reset instead of the answer."""
         address = to.lower()
         if self.armed:
             self.down_until, self.armed = time.time() + self.armed, 0.0
@@ -149,12 +166,20 @@ class Behaviour:
         if script:
             scripted = script.pop(0)
             if scripted == "reset":
-                return 0, "[Errno 104] Connection reset by peer"
+                return 0, RESET
+            if scripted == "reset_after_send":
+                status, text = self._deliverable(to, template)
+                return (200, SENT_THEN_RESET) if status == 200 else (status, text)
             if scripted == "429":
                 return 429, "429 Too Many Requests: rate limit of 10 emails per second exceeded, slow down"
             if scripted == "502":
                 return 502, f"502 Bad Gateway: the receiving mail server for {domain_of(address)} timed out"
             return 503, "503 Service Unavailable: the provider is overloaded, try again later"
+        return self._deliverable(to, template)
+
+    def _deliverable(self, to: str, template: str) -> tuple[int, str]:
+        """The answer to a request that reaches the sending step: the template, the mailbox, the domain."""
+        address = to.lower()
         if template not in self.templates:
             return 400, f"400 Bad Request: unknown template {template!r}"
         if address in self.missing_mailboxes:
@@ -171,8 +196,8 @@ class ProviderStore:
     def __init__(self, path: str) -> None:
         self.db = open_sqlite(path, SCHEMA)
 
-    def handle(self, behaviour: Behaviour, email: Any) -> dict[str, Any]:
-        """One send request: decide, record, and return the reply."""
+    def handle(self, behaviour: Behaviour, email: Any, key: str | None = None) -> dict[str, Any]:
+        """One send request: decide, record, and return the reply; `key` is its Idempotency-Key, if any."""
         if not isinstance(email, dict) or not isinstance(email.get("to"), str) or "@" not in email["to"]:
             status, text = 400, "400 Bad Request: 'to' must be an email address"
             to, template = None, None
@@ -185,20 +210,32 @@ class ProviderStore:
         order_id = email.get("order_id") if isinstance(email, dict) else None
         order_id = None if order_id is None else str(order_id)
         reply: dict[str, Any]
+        outcome = text
         if status == 200:
-            message_id = "em_" + secrets.token_hex(6)
-            self.db.execute(
-                "insert into emails (message_id, order_id, to_addr, template, ts) values (?, ?, ?, ?, ?)",
-                (message_id, order_id, to, template, time.time()),
-            )
-            reply = {"message_id": message_id}
+            seen = self.db.execute("select message_id from idempotency_keys where key = ?", (key,)).fetchone()
+            if seen is not None:  # a repeat of a keyed request: the first email's id, nothing sent
+                reply, outcome = {"message_id": seen[0], "replayed": True}, "replayed"
+            else:
+                message_id = "em_" + secrets.token_hex(6)
+                self.db.execute(
+                    "insert into emails (message_id, order_id, to_addr, template, ts) values (?, ?, ?, ?, ?)",
+                    (message_id, order_id, to, template, time.time()),
+                )
+                if key is not None:
+                    self.db.execute(
+                        "insert into idempotency_keys (key, message_id, ts) values (?, ?, ?)",
+                        (key, message_id, time.time()),
+                    )
+                reply, outcome = {"message_id": message_id}, "sent"
+            if text == SENT_THEN_RESET:  # the email went out (or was out already); the answer is lost
+                reply, outcome = {"error": RESET, "status": 0, "reset": True}, f"{outcome}, then reset"
         elif status == 0:
             reply = {"error": text, "status": 0, "reset": True}
         else:
             reply = {"error": text, "status": status}
         self.db.execute(
             "insert into requests (ts, order_id, to_addr, template, status, outcome) values (?, ?, ?, ?, ?, ?)",
-            (time.time(), order_id, to, template, status, "sent" if status == 200 else text),
+            (time.time(), order_id, to, template, status, outcome),
         )
         return reply
 
@@ -220,8 +257,9 @@ async def _subscribe(nc: Any, store: ProviderStore, behaviour: Behaviour, prefix
             email = json.loads(msg.data)
         except ValueError:
             email = None
+        key = (msg.headers or {}).get(KEY_HEADER) or None
         try:
-            reply = store.handle(behaviour, email)
+            reply = store.handle(behaviour, email, key)
         except Exception as exc:
             reply = {"error": f"400 Bad Request: {type(exc).__name__}", "status": 400}
         await _respond(msg, reply)
@@ -253,9 +291,16 @@ def error_from_reply(reply: dict[str, Any]) -> Exception:
     return EmailApiError(str(reply.get("error", "")), int(reply.get("status", 0) or 0))
 
 
-async def send(nc: Any, subject: str, email: dict[str, Any], *, timeout: float = 2.0) -> str:
-    """Ask the provider to send one email; returns its message id or raises what the provider answered."""
-    reply = json.loads((await nc.request(subject, json.dumps(email).encode(), timeout=timeout)).data)
+async def send(
+    nc: Any, subject: str, email: dict[str, Any], *, idempotency_key: str | None = None, timeout: float = 2.0
+) -> str:
+    """Ask the provider to send one email; returns its message id or raises what the provider answered.
+
+    With an idempotency key (the Idempotency-Key header) a repeat returns the first email's id, unsent.
+    """
+    headers = {KEY_HEADER: str(idempotency_key)} if idempotency_key else None
+    body = json.dumps(email).encode()
+    reply = json.loads((await nc.request(subject, body, timeout=timeout, headers=headers)).data)
     if "error" in reply:
         raise error_from_reply(reply)
     return str(reply["message_id"])
