@@ -454,8 +454,6 @@ class Lab:
         self.durable = run.names.durable(DURABLE)
         self.watch: Any = None  # the durable's BrokerWatch, from start()
         self.msgs: dict[int, Msg] = {}  # by stream sequence
-        self.deliveries: dict[int, list[tuple[float, int]]] = defaultdict(list)
-        self.settles: dict[int, list[Settle]] = defaultdict(list)
         self.exhausted: dict[int, float] = {}
         self.attempts: list[Attempt] = []
         self.publishes: list[Publish] = []
@@ -488,7 +486,6 @@ class Lab:
         self.refetch: Any = None  # the pull that proves the worker asked again after an empty fetch
         self.drained = False  # the durable was drained when the idle spell began
         self.problems: list[str] = []
-        self.ack_prefix = f"$JS.ACK.{self.stream}.{self.durable}."
         self._subs: list[Any] = []
 
     # -- what the grader watches on the broker
@@ -498,53 +495,37 @@ class Lab:
 
         nc = self.run.nc
         self.watch = await TOPOLOGY.watch(self.run)
-        prefix = f"$JS.ACK.{self.stream}.{self.durable}."
         self._subs = [
-            # The server sends each delivery to the worker's inbox; core NATS gives the grader a copy.
-            # The learner user's inbox is its own on a run's own server (LEARNER_INBOX), a slot's on a shared one.
-            *[await nc.subscribe(f"{inbox}.>", cb=self._on_delivery) for inbox in self._inboxes()],
-            await nc.subscribe(prefix + ">", cb=self._on_settle),
             await nc.subscribe(
                 f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream}.{self.durable}", cb=self._on_exhausted
             ),
         ]
         await settle_subscriptions(nc)
 
-    def _inboxes(self) -> list[str]:
-        from msglab.broker.users import LEARNER_INBOX
+    @property
+    def deliveries(self) -> dict[int, list[tuple[float, int]]]:
+        """Each message's deliveries as (when, delivery #), from the BrokerWatch: only those the server sent."""
+        found: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        for reply, ts in sorted(self.watch.deliveries.items(), key=lambda item: item[1]):
+            tokens = reply.split(".")
+            at = 4 if len(tokens) == 9 else 6  # $JS.ACK.<stream>.<durable>.<delivered>.<sseq>... (v1, or v2)
+            try:
+                n, seq = int(tokens[at]), int(tokens[at + 1])
+            except (IndexError, ValueError):
+                continue
+            if all(k != n for _, k in found[seq]):  # each delivery once
+                found[seq].append((ts, n))
+        return found
 
-        return list(dict.fromkeys(p for p in ("_INBOX", LEARNER_INBOX, self.run.inbox_prefix) if p))
-
-    @staticmethod
-    def _ack_tokens(reply: str) -> tuple[int, int] | None:
-        tokens = reply.split(".")
-        at = 4 if len(tokens) == 9 else 6
-        try:
-            return int(tokens[at]), int(tokens[at + 1])
-        except (IndexError, ValueError):
-            return None
-
-    async def _on_delivery(self, msg: Any) -> None:
-        if not (msg.reply or "").startswith(self.ack_prefix):
-            return
-        parsed = self._ack_tokens(msg.reply)
-        if parsed:
-            n, seq = parsed
-            if all(k != n for _, k in self.deliveries[seq]):  # each delivery once, whatever else copies it
-                self.deliveries[seq].append((time.time(), n))
-
-    async def _on_settle(self, msg: Any) -> None:
-        parsed = self._ack_tokens(msg.subject)
-        if not parsed:
-            return
-        n, seq = parsed
-        head, _, rest = msg.data.partition(b" ")
-        kind = {b"": "ack", b"+ACK": "ack", b"-NAK": "nak", b"+WPI": "progress", b"+TERM": "term", b"+NXT": "ack"}
-        delay = None
-        if head == b"-NAK" and rest.strip():
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                delay = float(json.loads(rest).get("delay", 0)) / 1e9
-        self.settles[seq].append(Settle(time.time(), kind.get(head, "other"), n, delay))
+    @property
+    def settles(self) -> dict[int, list[Settle]]:
+        """Each message's acks, naks, terms and in-progress, from the BrokerWatch: only those answering a
+        delivery the server made (a learner can publish on a $JS.ACK subject it built: the server ignores
+        that, and so does the grader)."""
+        found: dict[int, list[Settle]] = defaultdict(list)
+        for ack in self.watch.acks:
+            found[ack.stream_seq].append(Settle(ack.ts, ack.kind, ack.delivered, ack.delay))
+        return found
 
     async def _on_exhausted(self, msg: Any) -> None:
         with contextlib.suppress(ValueError, TypeError, KeyError):
@@ -560,6 +541,11 @@ class Lab:
 
     def attach(self) -> None:
         self.run.on("send_email", self.on_send)
+        # The calls judged by order (Run.workload): a planned kill, or the DLQ's planned refusal, lands only on
+        # a call about an email the run published.
+        self.run.workload.only(
+            "send_email", "dlq_publish", "dlq_refused", "dlq_published", "redrive_published", "republished"
+        )
         for name in ("dlq_publish", "dlq_refused", "dlq_published", "redrive_published", "republished",
                      "main_refused"):  # fmt: skip
             self.run.on(name, self._publish_handler(name))
@@ -586,6 +572,8 @@ class Lab:
         # The plan: worker #1's very first dead letter meets a DLQ stream that refuses it. The stream is
         # made full before worker #1 starts, so the refusal costs the worker no time of its ack_wait.
         self.publishes.append(Publish(time.time(), child.pid, name, key, dict(detail)))
+        if self.run.workload.decoy(name, key):
+            return  # about no email of this run: the DLQ's planned refusal is not spent on it
         if name == "dlq_publish" and self.armed is not None and key == self.armed and self.refusal is None:
             self.armed = None  # answered only after the stream is full: the publish that follows is refused
             await self.begin_refusal(self.last_refused)
@@ -641,6 +629,7 @@ class Lab:
     async def publish(self, email: Email, judged: bool = True) -> Msg:
         """Publish one email of the plan; `judged`: the lab's checks judge it (all but rule 2's late email)."""
         sent = time.time()  # before the publish: a worker may have it before the PubAck is back
+        self.run.workload.add(email.order)
         ack = await self.run.js.publish(self.run.names.subject(SUBJECT), email.payload, headers=email.headers)
         msg = Msg(int(ack.seq), email, sent, email.payload, email.headers)
         if judged:
@@ -743,6 +732,7 @@ async def grade(run: Run) -> list[Check]:
         _line_check(evidence),
         _redrive_check(evidence),
         _idle_check(evidence),
+        run.workload_check("email"),
     ]
 
 
