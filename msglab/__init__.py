@@ -27,11 +27,11 @@ def server_info() -> Any:
     return info()
 
 
-def check(lab: str, *, solution: bool = False, seed: int | None = None) -> Any:
-    """Grade a lab from a notebook; the verdict renders as rich output."""
+def check(lab: str, *, solution: bool = False, seed: int | None = None, attempt: bool = True) -> Any:
+    """Grade a lab from a notebook; the verdict renders as rich output (`attempt=False`: a demonstration)."""
     from msglab.notebook import check as notebook_check
 
-    return notebook_check(lab, solution=solution, seed=seed)
+    return notebook_check(lab, solution=solution, seed=seed, attempt=attempt)
 
 
 def hint(lab: str) -> Any:
