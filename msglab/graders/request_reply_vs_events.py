@@ -473,6 +473,9 @@ class Idle:
 async def grade(run: Run) -> list[Check]:
     """Run the workload with its faults, phase by phase, and judge the invariants."""
     plan = Plan.draw(run.seed)
+    # A planned kill lands only on emails about the run's orders. All of them from the start: the email worker
+    # runs before the first order is placed, and calls made while no key is registered would count.
+    run.workload.add(*(order.id for order in plan.orders))
     await _provision(run.js, run.names)
     shop, stream = _storefront(run, plan), Stream(run)
     watch = await EMAIL_TOPOLOGY.watch(run)
@@ -480,6 +483,7 @@ async def grade(run: Run) -> list[Check]:
     email = HeldSpawns(run, "email_worker", plan.faults, limit=len(plan.crashes) + 1, params=PARAMS)
     provider = Provider(run, email)
     run.on("send_email", provider.send_email)
+    run.workload.only("send_email")
     email.prepare(len(plan.crashes) + 1)
     try:
         orders = await asyncio.gather(run.spawn("orders", params=PARAMS), run.spawn("orders", params=PARAMS))
@@ -614,9 +618,11 @@ async def _wait_for_refetch(run: Run, watch: BrokerWatch, worker: Child, since: 
 
 
 def _emails(run: Run) -> dict[str, list[Any]]:
+    """The emails about the run's orders, by order (one about no order is effects_on_the_workload's)."""
     by_order: dict[str, list[Any]] = {}
     for event in run.log.events("effect", "send_email"):
-        by_order.setdefault(event.key or "", []).append(event)
+        if event.key in run.workload.keys:
+            by_order.setdefault(event.key or "", []).append(event)
     return by_order
 
 
@@ -768,6 +774,7 @@ def judge(ev: Evidence) -> list[Check]:
         _acked_check(ev),
         _loyalty_check(ev),
         _idle_check(ev),
+        ev.run.workload_check("email"),
     ]
 
 
