@@ -228,8 +228,13 @@ def private_scratch(run_folder: str) -> bool:
     # Nothing mounted here may propagate back to the machine's own mount table.
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         return False
-    # Opened in the new namespace (a bind from another namespace's mount is refused), before /tmp is covered.
-    keep = os.open(run_folder, os.O_PATH | os.O_DIRECTORY)
+    # Opened in the new namespace (a bind from another namespace's mount is refused), before /tmp is covered:
+    # the run's folder, and the Python and course the learner's process imports from, wherever they
+    # sit (a venv in /tmp, a grading platform's folder there) — covered, they could not be imported.
+    import msglab
+
+    wanted = [run_folder, sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(msglab.__file__))]
+    keep = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in dict.fromkeys(wanted) if os.path.isdir(path)}
     try:
         for folder, megabytes in PRIVATE_SCRATCH.items():
             if not os.path.isdir(folder):
@@ -237,12 +242,14 @@ def private_scratch(run_folder: str) -> bool:
             options = f"size={megabytes}m,mode=1777".encode()
             if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
                 continue
-            if run_folder.startswith(folder + os.sep):
-                os.makedirs(run_folder, mode=0o711, exist_ok=True)
-                libc.mount(f"/proc/self/fd/{keep}".encode(), run_folder.encode(), None, MS_BIND, None)
+            for path, fd in keep.items():
+                if path.startswith(folder + os.sep):
+                    os.makedirs(path, mode=0o711, exist_ok=True)
+                    libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND, None)
         return True
     finally:
-        os.close(keep)
+        for fd in keep.values():
+            os.close(fd)
 
 
 # Where any user may create files outside its run folder (world-writable, or so on most systems).
