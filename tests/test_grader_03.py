@@ -24,7 +24,15 @@ from msglab.grading.verdict import Verdict
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = Path(__file__).parent / "variants" / "03_idempotency"
 SOLUTION = ROOT / "solutions" / "03_idempotency" / "payments.py"
-CHECKS = {"charged_once", "none_lost", "credited_once", "stable_key", "all_acked", "survives_idle"}
+CHECKS = {
+    "charged_once",
+    "none_lost",
+    "credited_once",
+    "stable_key",
+    "all_acked",
+    "survives_idle",
+    "effects_on_the_workload",
+}
 
 
 @pytest.fixture
@@ -287,3 +295,37 @@ def test_the_learner_may_use_the_labs_subjects_and_durable_and_nothing_else(tmp_
     said = "\n".join(refused).lower()
     for subject in ("orders.>", '">"', "orders.placed", "gateway.test_clock"):
         assert subject in said, refused
+
+
+# The solution, with the shop's database swapped for a FIFO by its first worker: the grader's one read of a
+# learner-writable path (the ledger, at the end) must neither block on it nor follow it.
+FIFO_LEDGER = (
+    SOLUTION.read_text()
+    + """
+
+_solved = payment_worker
+
+
+async def payment_worker(env) -> None:
+    import os
+
+    try:
+        os.rename(env.db_path, env.db_path + ".old")
+        os.mkfifo(env.db_path)
+    except OSError:
+        pass  # another worker swapped it first
+    await _solved(env)
+"""
+)
+
+
+def test_a_fifo_in_place_of_the_ledger_fails_the_ledger_checks_without_waiting(
+    no_nats_url: None, tmp_path: Path
+) -> None:
+    source = tmp_path / "payments.py"
+    source.write_text(FIFO_LEDGER)
+    verdict = grade("03", source=source, seed=4)
+    failed = {c.name for c in verdict.failures}
+    assert {"none_lost", "credited_once"} <= failed and "finishes" not in failed, verdict.to_text()
+    lost = next(c for c in verdict.failures if c.name == "none_lost")
+    assert "could not read your ledger table" in lost.message and "not a regular file" in lost.message, lost.message

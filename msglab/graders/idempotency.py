@@ -458,6 +458,7 @@ class _Lab:
         self.run.on("find_charges", self.on_find)
         self.run.on("db_write", self.on_db_write)
         self.run.on("db_commit", self.on_db_commit)
+        self.run.workload.only("charge")  # the calls crash points count by payment (a commit names none)
 
     def step(self, pid: str, text: str, ts: float | None = None) -> None:
         self.steps[pid].append((time.time() if ts is None else ts, text))
@@ -621,6 +622,9 @@ class _Lab:
 async def grade(run: Run) -> list[Check]:
     """Run the workload with its faults and judge the invariants."""
     plan = draw_plan(run.seed)
+    # A planned kill lands only on charges of the run's payments. All of them from the start: a one-shot worker
+    # runs before its payment is published, and calls made while no key is registered would count.
+    run.workload.add(*plan.ids)
     await TOPOLOGY.provision(run.js, run.names)
     watch = await TOPOLOGY.watch(run)
     # The gateway's store sits where learner processes cannot go; it answers on the grader's connection
@@ -662,6 +666,7 @@ async def grade(run: Run) -> list[Check]:
         _stable_key_check(evidence),
         _acked_check(evidence),
         _idle_check(evidence),
+        run.workload_check("charge"),
     ]
 
 
@@ -762,8 +767,12 @@ class _Evidence:
         ledger: Counter[str] = Counter()
         ledger_error = ""
         try:
-            ledger = ledger_counts(db_path)
-        except sqlite3.Error as exc:
+            # The only grader read of a learner-writable path: a copy of it, read without blocking or following
+            # a link (a FIFO or a symlink in its place fails the read, never hangs or redirects the grader).
+            from msglab.grading.effects import snapshot_sqlite
+
+            ledger = ledger_counts(snapshot_sqlite(db_path, os.path.join(lab.run.tmp, "gateway")))
+        except (sqlite3.Error, OSError) as exc:
             ledger_error = f"{type(exc).__name__}: {exc}"
         steps: dict[str, list[tuple[float, str]]] = {pid: list(s) for pid, s in lab.steps.items()}
         for event in lab.run.log.events("crash"):
