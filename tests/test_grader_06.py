@@ -8,10 +8,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from msglab.graders import partition_keys
-from msglab.graders.partition_keys import PARALLEL, SPREAD, Measured, _parallel_share, _throughput_check
+from msglab.graders.partition_keys import (
+    ACK_WAIT_MAX,
+    PARALLEL,
+    SPREAD,
+    Measured,
+    _ack_wait_check,
+    _order_of,
+    _out_of_order,
+    _parallel_share,
+    _throughput_check,
+    effect_key,
+)
 from msglab.world import order_events as oe
 
 
@@ -50,6 +62,33 @@ def test_a_late_duplicate_sets_the_order_back_in_the_ledger() -> None:
         ledger.apply(event, "w")
     report = ledger.report()
     assert (report.violations, report.duplicates, report.wrong_final) == (0, 1, 1)
+
+
+def test_a_repeat_applied_after_its_orders_next_event_breaks_the_order_though_rule_6_excuses_the_repeat() -> None:
+    created, paid, shipped = (oe.Event("o-1", s, k, "c") for s, k in enumerate(("created", "paid", "shipped"), 1))
+    shop: Any = SimpleNamespace(ledger=oe.Ledger([created, paid, shipped]))
+    for event in (created, paid, created):  # the crash's redelivery, applied again behind "paid"
+        shop.ledger.apply(event, "w")
+    assert [(a.seq, after) for a, after in _out_of_order(shop)] == [(1, 2)]
+    shop.ledger.clear()
+    for event in (created, paid, paid, shipped):  # applied again at once, before anything later: in order
+        shop.ledger.apply(event, "w")
+    assert _out_of_order(shop) == []
+
+
+def test_an_apply_names_one_published_event_and_crashes_are_told_by_their_order() -> None:
+    event = oe.Event("o-0012", 2, "paid", "c-01")
+    assert effect_key(event) == "o-0012#2" and _order_of(effect_key(event)) == "o-0012"
+    assert _order_of(None) == ""
+
+
+def test_every_durables_ack_wait_is_read_against_the_readmes_bound() -> None:
+    def durable(name: str, ack_wait: float) -> Any:
+        return SimpleNamespace(name=name, config=SimpleNamespace(ack_wait=ack_wait, durable_name=name))
+
+    assert _ack_wait_check([durable("n2p0", 0.5), durable("n2p1", ACK_WAIT_MAX)]).passed
+    check = _ack_wait_check([durable("n2p0", 0.5), durable("n3p1", 3.0)])
+    assert not check.passed and "n3p1" in check.message and "3.0 s" in check.message, check.message
 
 
 def test_the_learner_creates_its_own_durables_and_publishes_under_shop_but_never_changes_the_stream(

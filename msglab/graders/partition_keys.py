@@ -23,10 +23,12 @@ Workload, in phases (seeded):
   throughput        the old workers stopped, the same backlog (fresh keys, one wholesale customer) on
                     n=1 and on n=4, judged on ratios load cannot break (see SPREAD, PARALLEL).
 
-Checks: per_key_order, none_lost, no_extra_duplicates (rule 6's allowance), one_owner_per_key,
-order_kept_during_rescale, parked_key_resumes_in_order, other_keys_flow_while_parked,
-throughput_grows_with_partitions, all_acked, survives_idle; faults_fired and no_unplanned_deaths
-come from the platform.
+Checks: per_key_order (every application, a repeat too), none_lost, no_extra_duplicates (rule 6's
+allowance), one_owner_per_key, order_kept_during_rescale, rescaled_to_new_layout (the n=3 events applied by
+the three new workers, each some), parked_key_resumes_in_order, other_keys_flow_while_parked,
+throughput_grows_with_partitions, all_acked, ack_wait_bounded (every durable, read on the broker),
+survives_idle, effects_on_the_workload (each env.apply names a published event, `order#seq`: planned crashes
+count only those); faults_fired and no_unplanned_deaths come from the platform.
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ LATE = Event("o-late", 1, "created", "c-01", 0)  # published after the idle gap 
 TRACE_LINES = 14
 
 
+def effect_key(event: Event) -> str:
+    """The apply effect's key: one event (an order id with a made-up seq names nothing published)."""
+    return f"{event.key}#{event.seq}"
+
+
+def _order_of(key: str | None) -> str:
+    """The order id in an apply effect's key (crashes are logged by it)."""
+    return (key or "").rpartition("#")[0]
+
+
 def _event(data: Any) -> Event:
     return Event(**{k: data[k] for k in ("key", "seq", "kind", "customer", "n")})
 
@@ -87,7 +99,7 @@ def _add_world(env: Any) -> None:
     async def apply(event: Event) -> None:
         # A real call is a round trip: what the worker left in its write buffer (an ack) leaves now.
         await env.nc.flush()
-        env.world.call("apply", str(event.key), seq=int(event.seq))
+        env.world.call("apply", effect_key(event), seq=int(event.seq))
 
     async def resolved(key: str) -> bool:
         return bool(env.world.call("resolved", str(key)))
@@ -196,6 +208,7 @@ class Shop:
     resolved_at: float = 0.0
     rejected: list[Any] = field(default_factory=list)  # effect events: the poison refused
     assigned: dict[int, asyncio.Future[Slot]] = field(default_factory=dict)
+    owners: dict[str, Slot] = field(default_factory=dict)  # a worker's pid (as the ledger names it) -> its slot
     tending: bool = True  # restart a slot's worker when its process ends
     offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # ledger clock -> wall clock
 
@@ -209,9 +222,10 @@ class Shop:
     async def on_apply(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
         from msglab.grading.harness import Refuse
 
-        event = self.events.get((key or "", int(detail.get("seq", 0))))
-        if event is None:
-            raise Refuse("ValueError", f"no order event {key} #{detail.get('seq')} was ever published")
+        event = self.events.get((_order_of(key), int(detail.get("seq", 0))))
+        if event is None or effect_key(event) != key:
+            raise Refuse("ValueError", f"no order event {key} was ever published")
+        key = event.key  # the ledger and the effect log go by order id
         if event == self.poison and not self.resolved_at:
             self.rejected.append(self.run.record_effect(child, "rejected", key, seq=event.seq))
             raise Refuse("OrderRejected", rejected_text(event))
@@ -236,16 +250,19 @@ class Shop:
     async def publish(self, events: list[Event], n: int, salt: str) -> None:
         """Publish through the two publisher processes, CHUNK events a call, alternating as the seed says."""
         self.ledger.expected += events
+        # Planned crashes land on these events only: an apply of anything else is a decoy (rule 1's point).
+        self.run.workload.add(*map(effect_key, events))
         pick = rng(self.run.seed, f"publishers:{salt}")
         for i in range(0, len(events), CHUNK):
             chunk = events[i : i + CHUNK]
             publisher = self.publishers[pick.randrange(2)]
             reply = await publisher.call("publish", PHASE_DEADLINE, events=[asdict(e) for e in chunk], n=n)
+            if not reply.ok:  # what of this chunk reached the stream is unknown: none of it counts as published
+                self.failed_publishes.append((chunk[0], f"your publish {reply.describe()}"))
+                continue
             now = time.time()
             for e in chunk:
                 self.published[(e.key, e.seq)], self.layout[(e.key, e.seq)] = now, n
-            if not reply.ok:
-                self.failed_publishes.append((chunk[0], f"your publish {reply.describe()}"))
 
     async def start(self, n: int, previous: int) -> list[Slot]:
         """One worker process per partition of the n-partition layout, released at once."""
@@ -259,6 +276,7 @@ class Shop:
         child = await self.spawns.release()
         slot.child = child
         if child is not None:
+            self.owners[str(child.pid)] = slot
             self.assigned.setdefault(child.pid, asyncio.get_running_loop().create_future()).set_result(slot)
 
     async def tend(self) -> None:
@@ -299,7 +317,7 @@ class Shop:
             if e.key == key:
                 steps.add(e.ts, f"worker {e.pid}: env.apply refused event {e.detail['seq']} (OrderRejected)")
         for crash in self.run.log.events("crash"):
-            if crash.key == key:
+            if _order_of(crash.key) == key:
                 steps.add(crash.ts, f"worker {crash.pid} SIGKILLed by the grader ({crash.detail['when']} env.apply)")
         if self.poison is not None and key == self.poison.key and self.resolved_at:
             steps.add(self.resolved_at, f"the back office resolved {key}")
@@ -316,6 +334,7 @@ async def grade(run: Run) -> list[Check]:
     stream = run.names.stream(STREAM)
     await run.js.add_stream(StreamConfig(name=stream, subjects=[run.names.subject(WILDCARD)]))
     watch = await BrokerWatch(stream, "*").start(run.nc)
+    run.workload.only("apply")
     spawns = HeldSpawns(run, "worker", functools.partial(_faults, run.seed), MAX_WORKERS)
     shop = Shop(run, Ledger(), watch, spawns)
     phase = Phases(run)
@@ -414,20 +433,24 @@ async def grade(run: Run) -> list[Check]:
         await spawns.cancel()
     await spawns.settle()
     seqs = await _stream_seqs(run, stream)
+    durables = [info for info in await run.js.consumers_info(stream) if info.config.durable_name]
     if idle is None:
         idle = _idle_check(shop, [], None)
     spanning = {e.key for e in orders[:cut]} & {e.key for e in orders[cut:]}
     return [
         _order_check(shop, exclude=spanning | {shop.poison.key, late.key}),
-        _lost_check(shop, exclude={shop.poison.key, late.key}),
+        _lost_check(shop, {shop.poison.key, late.key}, seqs),
         _duplicate_check(shop, spawns.ended, seqs),
         _owner_check(shop),
         _rescale_check(shop, spanning),
+        _layout_check(shop, [*orders[cut:], *burst]),
         _parked_check(shop),
         _flow_check(shop, burst),
         _throughput_check(measured, len(backlog)),
         _acked_check(drained_info),
+        _ack_wait_check(durables),
         idle,
+        run.workload_check("order event applied"),
     ]
 
 
@@ -484,14 +507,15 @@ async def _stream_seqs(run: Run, stream: str) -> dict[tuple[str, int], list[int]
 
 
 def _out_of_order(shop: Shop, keys: set[str] | None = None) -> list[tuple[Applied, int]]:
-    """First applications of an event after a later event of its key: (the late one, the highest seq applied then)."""
+    """Applications of an event after a later event of its key: (the late one, the highest seq applied then).
+
+    Every application counts, a repeat too: rule 6 excuses a crashed event's second apply, not its place (a
+    `created` applied again after `shipped` sets the order back)."""
     highest: dict[str, int] = {}
-    seen: set[tuple[str, int]] = set()
     found = []
     for a in shop.ledger.log:
-        if (a.key, a.seq) in seen or (keys is not None and a.key not in keys):
+        if keys is not None and a.key not in keys:
             continue
-        seen.add((a.key, a.seq))
         if a.seq < highest.get(a.key, 0):
             found.append((a, highest[a.key]))
         highest[a.key] = max(highest.get(a.key, 0), a.seq)
@@ -519,7 +543,7 @@ def _order_check(shop: Shop, exclude: set[str]) -> Check:
     late, after = broken[0]
     later = next(x for x in shop.ledger.log if x.key == late.key and x.seq == after)
     killed = {str(c.pid) for c in shop.run.log.events("crash")}
-    if any(c.key == late.key for c in shop.run.log.events("crash")):
+    if any(_order_of(c.key) == late.key for c in shop.run.log.events("crash")):
         hint = (
             "the event the grader killed a worker on came back after ack_wait, and its order's next event had gone"
             " ahead meanwhile: a partition needs one event in flight at a time (max_ack_pending=1 on its durable)"
@@ -539,7 +563,7 @@ def _order_check(shop: Shop, exclude: set[str]) -> Check:
     )
 
 
-def _lost_check(shop: Shop, exclude: set[str]) -> Check:
+def _lost_check(shop: Shop, exclude: set[str], seqs: dict[tuple[str, int], list[int]]) -> Check:
     title = "every published event is applied (none lost, whatever crashed)"
     if shop.failed_publishes:
         event, said = shop.failed_publishes[0]
@@ -555,13 +579,22 @@ def _lost_check(shop: Shop, exclude: set[str]) -> Check:
     if not lost:
         return Check("none_lost", title, True)
     first = lost[0]
-    killed = [c for c in shop.run.log.events("crash") if c.key == first.key]
+    killed = [c for c in shop.run.log.events("crash") if c.key == effect_key(first)]
     message = (
         f"{plural(len(lost), 'event')} never applied; first: {first.key}'s {first.kind} (event {first.seq}),"
         f" published with n={shop.layout.get((first.key, first.seq))}."
     )
-    hint = "an event may leave the broker (be acked) only once env.apply returned for it"
-    if killed:
+    acked = any(a.kind in ("ack", "term") for q in seqs.get((first.key, first.seq), []) for a in shop.watch.of(q))
+    if acked:
+        message += " The broker had its ack: nothing would deliver it again."
+        hint = "an event may leave the broker (be acked) only once env.apply returned for it"
+    else:
+        message += " Nobody acked it: it still waited on the broker (or never reached a durable)."
+        hint = (
+            "every partition of every layout needs a worker pulling it until its events are applied, and every"
+            " subject publish uses must be one a durable filters on"
+        )
+    if killed and acked:
         message += f" The grader killed worker {killed[0].pid} on it; it never came back to be applied."
         hint = "ack an event only after env.apply returned: a worker killed before its ack must leave it to the broker"
     return Check("none_lost", title, False, message, trace=shop.trace(first.key), hint=hint)
@@ -631,6 +664,45 @@ def _rescale_check(shop: Shop, spanning: set[str]) -> Check:
         " and acked before they apply anything"
     )
     return Check("order_kept_during_rescale", title, False, message, trace=shop.trace(a.key), hint=hint)
+
+
+def _layout_check(shop: Shop, events: list[Event]) -> Check:
+    """After the rescale the three partitions of n=3 do the work: every event published with n=3 is applied by
+    a worker of that layout, and each of its three workers applies some."""
+    title = "after the rescale, the three new partitions apply the events published with n=3 (each its share)"
+    check = "rescaled_to_new_layout"
+    wanted = {(e.key, e.seq) for e in events}
+    for a in shop.ledger.log:
+        slot = shop.owners.get(a.worker)
+        if (a.key, a.seq) in wanted and slot is not None and slot.n != 3:
+            message = (
+                f"worker {a.worker}, of partition {slot.partition} of the {slot.n}-partition layout, applied"
+                f" {a.key}'s {a.kind} (event {a.seq}), published with n=3: the old layout kept taking the new"
+                " layout's events."
+            )
+            hint = (
+                "an event published with n=3 belongs to one of the three new partitions, and only that partition's"
+                " worker may apply it: route by the n publish is given, and give each layout durables of its own"
+            )
+            return Check(check, title, False, message, trace=shop.trace(a.key), hint=hint)
+    counts: Counter[int] = Counter()
+    for a in shop.ledger.log:
+        slot = shop.owners.get(a.worker)
+        if (a.key, a.seq) in wanted and slot is not None and slot.n == 3:
+            counts[slot.partition] += 1
+    idle = [p for p in range(3) if not counts[p]]
+    if not idle:
+        return Check(check, title, True)
+    message = (
+        f"of the {len(wanted)} events published with n=3, the worker of partition {idle[0]} of the new layout"
+        f" applied none (per partition: {', '.join(f'{p}: {counts[p]}' for p in range(3))}): the rescale gained"
+        " no partition."
+    )
+    hint = (
+        "growing to three partitions means every key hashes to one of three (partition_of(key, 3)), and each of the"
+        " three new workers applies its own partition's events"
+    )
+    return Check(check, title, False, message, hint=hint)
 
 
 def _parked_check(shop: Shop) -> Check:
@@ -772,6 +844,22 @@ def _throughput_check(measured: dict[int, Measured], count: int) -> Check:
         " (one durable shared by every worker with one event in flight, or a lock across them)"
     )
     return Check(check, title, False, message, hint=hint)
+
+
+def _ack_wait_check(durables: list[Any]) -> Check:
+    """README rule 7: a killed worker's event comes back within ACK_WAIT_MAX (each durable's config, on the broker)."""
+    title = f"a killed worker's events come back within {ACK_WAIT_MAX:.0f} s (every durable's ack_wait)"
+    slow = [info for info in durables if float(info.config.ack_wait or 0) > ACK_WAIT_MAX]
+    if not slow:
+        return Check("ack_wait_bounded", title, True)
+    info = slow[0]
+    message = (
+        f"durable {info.name} has an ack_wait of {float(info.config.ack_wait):.1f} s"
+        f" ({plural(len(slow), 'durable')} above {ACK_WAIT_MAX:.0f} s): a killed worker's event waits that long"
+        " before anyone applies it, and its whole partition waits behind it."
+    )
+    hint = f"set ack_wait on every durable to at most {ACK_WAIT_MAX:.0f} s, well above one event's work"
+    return Check("ack_wait_bounded", title, False, message, hint=hint)
 
 
 def _acked_check(info: Any) -> Check:

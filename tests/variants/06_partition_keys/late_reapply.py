@@ -1,0 +1,111 @@
+"""The solution, but each worker takes three events at a time, applies them, then acks the three, and nothing
+bounds what its durable has in flight. A killed worker's batch comes back after ack_wait, behind what its
+replacement applied meanwhile: events applied a second time after their order's next event (the state goes
+backwards, although rule 6 excuses the second apply itself).
+
+Expect: fail per_key_order
+Says: applied after a later event
+"""
+
+import asyncio
+import zlib
+
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+STREAM = "SHOP_EVENTS"
+
+
+def key_of(event) -> str:
+    """Per-order order is what matters: the order id keeps an order's events together, and spreads."""
+    return event.key
+
+
+def partition_of(key: str, n: int) -> int:
+    return zlib.crc32(key.encode()) % n  # not hash(): Python salts it per process
+
+
+async def publish(env, event, n: int) -> None:
+    key = key_of(event)
+    await env.js.publish(env.subject(f"shop.{n}.{partition_of(key, n)}.{key}"), event.to_bytes())
+
+
+def durable_name(n: int, partition: int) -> str:
+    return f"n{n}p{partition}"
+
+
+async def _layout_drained(env, n: int) -> bool:
+    for p in range(n):
+        try:
+            info = await env.js.consumer_info(env.stream(STREAM), env.durable(durable_name(n, p)))
+        except Exception:
+            return False  # not created yet: its worker has not started
+        if info.num_pending or info.num_ack_pending:
+            return False
+    return True
+
+
+async def worker(env, partition: int, n: int, previous: int) -> None:
+    js, stream = env.js, env.stream(STREAM)
+    if previous:
+        # A moved key's older events may still wait in the old layout's partitions.
+        while not await _layout_drained(env, previous):  # noqa: ASYNC110 (the condition lives on the broker)
+            await asyncio.sleep(0.05)
+    name = env.durable(durable_name(n, partition))
+    config = ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=env.subject(f"shop.{n}.{partition}.*"),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=0.5,
+    )
+    await js.add_consumer(stream, config)
+    sub = await js.pull_subscribe_bind(config.durable_name, stream)
+    parked: set[str] = set()
+    while True:
+        for key in list(parked):
+            if await env.resolved(key) and await _replay(env, key):
+                parked.discard(key)
+        try:
+            msgs = await sub.fetch(3, timeout=0.2)
+        except TimeoutError:
+            continue
+        for msg in msgs:  # the batch is acked once all of it is applied
+            event = env.Event.from_bytes(msg.data)
+            key = key_of(event)
+            if key not in parked:
+                try:
+                    await env.apply(event)
+                    continue
+                except env.OrderRejected:
+                    parked.add(key)
+            await js.publish(env.subject(f"shop.parked.{key}"), msg.data)
+        for msg in msgs:
+            await msg.ack_sync()
+
+
+async def _replay(env, key: str) -> bool:
+    """Apply the parked events of `key` in the order they were parked; False if one is refused again."""
+    js = env.js
+    config = ConsumerConfig(
+        filter_subject=env.subject(f"shop.parked.{key}"),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        max_ack_pending=1,
+        inactive_threshold=5.0,
+    )
+    sub = await js.pull_subscribe(config.filter_subject, stream=env.stream(STREAM), config=config)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(1, timeout=0.2)
+            except TimeoutError:
+                return True
+            for msg in msgs:
+                try:
+                    await env.apply(env.Event.from_bytes(msg.data))
+                except env.OrderRejected:
+                    await msg.nak()
+                    return False
+                await msg.ack_sync()
+    finally:
+        await sub.unsubscribe()
