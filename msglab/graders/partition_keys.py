@@ -15,6 +15,7 @@ Workload, in phases (seeded):
   rescale           once a third of the backlog is applied, the publishers switch to n=3 and publish
                     the rest (orders under way included); three new workers, started ahead, begin
                     right after the first chunk with n=3 (previous=2), the two old ones keep running;
+                    one old partition's applies are slower for a seeded 1.5-2.5 s (HOLD);
   poison            a burst of new orders on n=3; one order's first event is refused by env.apply
                     (OrderRejected) until the back office resolves it, once every other event of the
                     burst was applied and the order's later events were acked (or POISON_WINDOW);
@@ -62,6 +63,10 @@ CHUNK = 4  # events per publisher call; chunks alternate between the two publish
 PHASE_DEADLINE = 6.0  # seconds a phase may take before the grader gives up on it
 THROUGHPUT_DEADLINE = 6.0  # seconds each backlog may take (a correct worker needs about 1.5 s at n=1)
 BUDGET = 36.0  # seconds all phases may take together: the platform stops a run at 45 s
+# After the switch the order system is slow for one old partition: each of its applies takes HOLD_STEP longer
+# (well under ack_wait), for a seeded HOLD seconds, so the old layout drains when it drains and a guessed
+# delay before the new layout starts fails (the 0.3 s and 1.5 s the review tried passed without it).
+HOLD, HOLD_STEP = (1.5, 2.5), 0.2
 POISON_WINDOW = 3.0  # the back office resolves the poisoned order once the others are applied, or after this
 IDLE_DEADLINE, LATE_DEADLINE = 4.0, 3.0
 # Throughput, judged as ratios that load cannot break, never a time. On n=4 the busiest worker applies at
@@ -210,6 +215,7 @@ class Shop:
     assigned: dict[int, asyncio.Future[Slot]] = field(default_factory=dict)
     owners: dict[str, Slot] = field(default_factory=dict)  # a worker's pid (as the ledger names it) -> its slot
     tending: bool = True  # restart a slot's worker when its process ends
+    held: tuple[int, float] = (-1, 0.0)  # the old layout's slow partition, and until when (monotonic)
     offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # ledger clock -> wall clock
 
     def __post_init__(self) -> None:
@@ -230,9 +236,16 @@ class Shop:
             self.rejected.append(self.run.record_effect(child, "rejected", key, seq=event.seq))
             raise Refuse("OrderRejected", rejected_text(event))
         start = time.monotonic()
-        await asyncio.sleep(event.work * SCALE)
+        await asyncio.sleep(event.work * SCALE + self.slowed(child, event))
         self.ledger.apply(event, str(child.pid), start=start)
         self.run.record_effect(child, "apply", key, seq=event.seq, step=event.kind)
+
+    def slowed(self, child: Child, event: Event) -> float:
+        """The extra time an apply takes: HOLD_STEP for the held old partition's events while the hold lasts."""
+        slot = self.owners.get(str(child.pid))
+        partition, until = self.held
+        busy = slot is not None and slot.n == 2 and slot.partition == partition and time.monotonic() < until
+        return HOLD_STEP if busy and self.layout.get((event.key, event.seq)) == 2 else 0.0
 
     async def on_resolved(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> bool:
         return not (self.poison is not None and key == self.poison.key and not self.resolved_at)
@@ -372,6 +385,8 @@ async def grade(run: Run) -> list[Check]:
             spawns.prepare(3 - len(spawns.waiting))
             if spawns.waiting:  # ready: the new layout starts the moment the switch is published
                 await asyncio.wait(spawns.waiting)
+            hold = rng(seed, "hold")
+            shop.held = (hold.randrange(2), time.monotonic() + hold.uniform(*HOLD))
             await shop.publish(orders[cut : cut + CHUNK], 3, "switch")
             three = await shop.start(3, 2)
             await shop.publish(orders[cut + CHUNK :], 3, "rest")

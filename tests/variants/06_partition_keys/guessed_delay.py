@@ -1,0 +1,110 @@
+"""The solution, but the new layout's workers wait a guessed 1.5 s instead of waiting until the old partitions are
+drained: when the order system is slow just then, the old partitions still hold straddling orders' events.
+
+Expect: fail order_kept_during_rescale|one_owner_per_key
+Says: published with n=3 was applied first | held by two workers at once
+"""
+
+
+import asyncio
+import zlib
+
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+STREAM = "SHOP_EVENTS"
+
+
+def key_of(event) -> str:
+    """Per-order order is what matters: the order id keeps an order's events together, and spreads."""
+    return event.key
+
+
+def partition_of(key: str, n: int) -> int:
+    return zlib.crc32(key.encode()) % n  # not hash(): Python salts it per process
+
+
+async def publish(env, event, n: int) -> None:
+    key = key_of(event)
+    await env.js.publish(env.subject(f"shop.{n}.{partition_of(key, n)}.{key}"), event.to_bytes())
+
+
+def durable_name(n: int, partition: int) -> str:
+    return f"n{n}p{partition}"
+
+
+async def _layout_drained(env, n: int) -> bool:
+    for p in range(n):
+        try:
+            info = await env.js.consumer_info(env.stream(STREAM), env.durable(durable_name(n, p)))
+        except Exception:
+            return False  # not created yet: its worker has not started
+        if info.num_pending or info.num_ack_pending:
+            return False
+    return True
+
+
+async def worker(env, partition: int, n: int, previous: int) -> None:
+    js, stream = env.js, env.stream(STREAM)
+    if previous:
+        # The old partitions looked empty within a second when tried by hand: wait a little longer than that.
+        await asyncio.sleep(1.5)
+    name = env.durable(durable_name(n, partition))
+    config = ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=env.subject(f"shop.{n}.{partition}.*"),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=0.5,
+        max_ack_pending=1,  # one event in flight: a redelivery is never overtaken
+    )
+    await js.add_consumer(stream, config)
+    sub = await js.pull_subscribe_bind(config.durable_name, stream)
+    parked: set[str] = set()
+    while True:
+        for key in list(parked):
+            if await env.resolved(key) and await _replay(env, key):
+                parked.discard(key)
+        try:
+            msgs = await sub.fetch(1, timeout=0.2)
+        except TimeoutError:
+            continue
+        for msg in msgs:
+            event = env.Event.from_bytes(msg.data)
+            key = key_of(event)
+            if key not in parked:
+                try:
+                    await env.apply(event)
+                    await msg.ack_sync()
+                    continue
+                except env.OrderRejected:
+                    parked.add(key)
+            await js.publish(env.subject(f"shop.parked.{key}"), msg.data)
+            await msg.ack_sync()
+
+
+async def _replay(env, key: str) -> bool:
+    """Apply the parked events of `key` in the order they were parked; False if one is refused again."""
+    js = env.js
+    config = ConsumerConfig(
+        filter_subject=env.subject(f"shop.parked.{key}"),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        max_ack_pending=1,
+        inactive_threshold=5.0,
+    )
+    sub = await js.pull_subscribe(config.filter_subject, stream=env.stream(STREAM), config=config)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(1, timeout=0.2)
+            except TimeoutError:
+                return True
+            for msg in msgs:
+                try:
+                    await env.apply(env.Event.from_bytes(msg.data))
+                except env.OrderRejected:
+                    await msg.nak()
+                    return False
+                await msg.ack_sync()
+    finally:
+        await sub.unsubscribe()
