@@ -18,7 +18,8 @@ Workload, in phases (seeded):
                     one old partition's applies are slower for a seeded 1.5-2.5 s (HOLD);
   poison            a burst of new orders on n=3; one order's first event is refused by env.apply
                     (OrderRejected) until the back office resolves it, once every other event of the
-                    burst was applied and the order's later events were acked (or POISON_WINDOW);
+                    burst was applied and the order's later events were acked (or POISON_WINDOW), and
+                    the worker that met the refusal was SIGKILLed and its replacement is running;
   late event        nothing is replaced any more; after the stream went idle and a worker asked again
                     after an empty fetch, one late event (rule 2, judged on the workers running then);
   throughput        the old workers stopped, the same backlog (fresh keys, one wholesale customer) on
@@ -216,6 +217,8 @@ class Shop:
     owners: dict[str, Slot] = field(default_factory=dict)  # a worker's pid (as the ledger names it) -> its slot
     tending: bool = True  # restart a slot's worker when its process ends
     held: tuple[int, float] = (-1, 0.0)  # the old layout's slow partition, and until when (monotonic)
+    asked: set[int] = field(default_factory=set)  # workers that asked for their partition (they are running)
+    parker: tuple[float, int] | None = None  # when the grader killed the worker that met the refusal, its pid
     offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # ledger clock -> wall clock
 
     def __post_init__(self) -> None:
@@ -251,6 +254,7 @@ class Shop:
         return not (self.poison is not None and key == self.poison.key and not self.resolved_at)
 
     async def on_assignment(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> list[int]:
+        self.asked.add(child.pid)
         slot = await self.assigned.setdefault(child.pid, asyncio.get_running_loop().create_future())
         return [slot.partition, slot.n, slot.previous]
 
@@ -309,6 +313,17 @@ class Shop:
             if slot.child is not None:
                 await self.spawns.stop(slot.child)
 
+    async def kill_parker(self) -> Slot | None:
+        """SIGKILL the worker that met the refusal (it parked the order, whatever it kept); tend() replaces it."""
+        pid = self.rejected[-1].pid if self.rejected else None
+        child = next((c for c in self.run.children if c.pid == pid), None)
+        if child is None or gone(child):
+            return None
+        self.spawns.prepare(1)  # its replacement, started ahead
+        await child.kill()
+        self.parker = (time.time(), child.pid)
+        return self.owners.get(str(child.pid))
+
     def applied(self, keys: set[tuple[str, int]]) -> bool:
         return keys <= {(a.key, a.seq) for a in self.ledger.log}
 
@@ -332,6 +347,8 @@ class Shop:
         for crash in self.run.log.events("crash"):
             if _order_of(crash.key) == key:
                 steps.add(crash.ts, f"worker {crash.pid} SIGKILLed by the grader ({crash.detail['when']} env.apply)")
+        if self.parker is not None and self.poison is not None and key == self.poison.key:
+            steps.add(self.parker[0], f"worker {self.parker[1]}, which had met the refusal, SIGKILLed by the grader")
         if self.poison is not None and key == self.poison.key and self.resolved_at:
             steps.add(self.resolved_at, f"the back office resolved {key}")
         return steps.lines()
@@ -410,6 +427,11 @@ async def grade(run: Run) -> list[Check]:
                 return all(any(a.stream_seq == s and a.kind in ("ack", "term") for a in watch.acks) for s in later)
 
             await wait(lambda: shop.applied(others) and bool(shop.rejected) and settled(), POISON_WINDOW)
+            # What was parked must outlive the process that parked it: its worker dies before the order is
+            # resolved, and its replacement (running once it asked for its partition) has to find it again.
+            slot = await shop.kill_parker()
+            if slot is not None:
+                await wait(lambda: slot.child is not None and slot.child.pid in shop.asked, PHASE_DEADLINE)
             shop.resolved_at = time.time()
             mine = {(e.key, e.seq) for e in burst if e.key == shop.poison.key}
             await wait(lambda: shop.applied(mine), POISON_WINDOW)
@@ -490,9 +512,10 @@ async def _consumers_drained(run: Run, stream: str) -> bool:
 
 
 async def _undrained(run: Run, stream: str) -> Any:
-    """The first consumer on the stream with something undelivered or unacked, or None."""
+    """The first durable on the stream with something undelivered or unacked, or None (an ephemeral consumer,
+    e.g. one that read a parked order, is the server's to drop once inactive)."""
     for info in await run.js.consumers_info(stream):
-        if not rules.drained(info):
+        if info.config.durable_name and not rules.drained(info):
             return info
     return None
 
@@ -770,6 +793,15 @@ def _parked_check(shop: Shop) -> Check:
         "once env.resolved(key) says so, apply the parked order's events, the refused one first, in the order they"
         " arrived, and keep each one until it is applied"
     )
+    if missing and not broken and shop.parker is not None:
+        message += (
+            f" The grader had killed worker {shop.parker[1]}, which met the refusal, at {shop.run.at(shop.parker[0])};"
+            " its replacement never replayed the parked order."
+        )
+        hint = (
+            "what a worker parks must outlive its process: keep it where the broker keeps it (a subject of the"
+            " stream), and let a worker that starts find the orders still parked there"
+        )
     return Check("parked_key_resumes_in_order", title, False, message, trace=shop.trace(poison.key), hint=hint)
 
 

@@ -27,6 +27,13 @@ async def publish(env, event, n: int) -> None:
     await env.js.publish(env.subject(f"shop.{n}.{partition_of(key, n)}.{key}"), event.to_bytes())
 
 
+REPLAYED = b"replayed"  # the last message of a parked subject once its order was replayed: parked no more
+
+
+def parked_subject(n: int, partition: int, key: str) -> str:
+    return f"shop.parked.{n}.{partition}.{key}"
+
+
 def durable_name(n: int, partition: int) -> str:
     return f"n{n}p{partition}"
 
@@ -44,11 +51,11 @@ async def worker(env, partition: int, n: int, previous: int) -> None:
     )
     await js.add_consumer(stream, config)
     sub = await js.pull_subscribe_bind(config.durable_name, stream)
-    parked: set[str] = set()
+    parked = await _still_parked(env, n, partition)  # from the stream: a replacement carries on
     while True:
         for key in list(parked):
             if await env.resolved(key):
-                if await _replay(env, key):
+                if await _replay(env, env.subject(parked_subject(n, partition, key))):
                     parked.discard(key)
         try:
             msgs = await sub.fetch(1, timeout=0.2)
@@ -64,33 +71,41 @@ async def worker(env, partition: int, n: int, previous: int) -> None:
                     continue
                 except env.OrderRejected:
                     parked.add(key)
-            await js.publish(env.subject(f"shop.parked.{key}"), msg.data)
+            await js.publish(env.subject(parked_subject(n, partition, key)), msg.data)
             await msg.ack_sync()
 
 
-async def _replay(env, key: str) -> bool:
-    """Apply the parked events of `key` in the order they were parked; False if one is refused again."""
-    js = env.js
+async def _read(env, subject: str, deliver: DeliverPolicy) -> list:
+    """Every message on `subject` (a wildcard too) as an ephemeral consumer delivers it, up to the last one."""
     config = ConsumerConfig(
-        filter_subject=env.subject(f"shop.parked.{key}"),
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        max_ack_pending=1,
-        inactive_threshold=5.0,
+        filter_subject=subject, ack_policy=AckPolicy.NONE, deliver_policy=deliver, inactive_threshold=5.0
     )
-    sub = await js.pull_subscribe(config.filter_subject, stream=env.stream(STREAM), config=config)
+    sub = await env.js.pull_subscribe(subject, stream=env.stream(STREAM), config=config)
+    info = await sub.consumer_info()
     try:
-        while True:
-            try:
-                msgs = await sub.fetch(1, timeout=0.2)
-            except TimeoutError:
-                return True
-            for msg in msgs:
-                try:
-                    await env.apply(env.Event.from_bytes(msg.data))
-                except env.OrderRejected:
-                    await msg.nak()
-                    return False
-                await msg.ack_sync()
+        msgs = []
+        while len(msgs) < info.num_pending:
+            msgs += await sub.fetch(info.num_pending - len(msgs), timeout=1.0)
+        return msgs
     finally:
-        await sub.unsubscribe()
+        await sub.unsubscribe()  # the server drops the consumer once it is inactive
+
+
+async def _still_parked(env, n: int, partition: int) -> set[str]:
+    """The orders this partition parked and has not replayed: their subject's last message is an event."""
+    last = await _read(env, env.subject(parked_subject(n, partition, "*")), DeliverPolicy.LAST_PER_SUBJECT)
+    return {msg.subject.rsplit(".", 1)[1] for msg in last if msg.data != REPLAYED}
+
+
+async def _replay(env, subject: str) -> bool:
+    """Apply the events parked on `subject` since its last replay, in the order they were parked, then mark
+    them replayed; False (nothing marked) if the order is refused again."""
+    msgs = await _read(env, subject, DeliverPolicy.ALL)
+    marks = [i for i, msg in enumerate(msgs) if msg.data == REPLAYED]
+    for msg in msgs[marks[-1] + 1 if marks else 0 :]:
+        try:
+            await env.apply(env.Event.from_bytes(msg.data))
+        except env.OrderRejected:
+            return False
+    await env.js.publish(subject, REPLAYED)
+    return True
