@@ -86,6 +86,9 @@ PROMISE_TOL = 0.25  # an order accepted in the rush may be finished this long af
 RUSH_REFUSALS = 10  # the rush goes on until the intake has refused this many orders (or PHASE_CAP)
 SPARE = BUDGET / 2  # a refusal is needless when every order ahead of it was finished within this ...
 YOUNG = BUDGET / 10  # ... and the oldest of them had waited at most this (a margin of the age is the learner's)
+# A policy refuses needlessly again and again (wrong files: 10-44 a run); a forecast misled once by a drain rate
+# measured while the machine starved its processes refused 2 (the solution, every core busy): judged from this many.
+NEEDLESS_MIN = 5
 CANCEL_EVERY = 0.1
 QUIET = 0.3  # phase 0 lasts until the first cancellation has been in the stream this long
 PHASE_CAP = 3.0  # no phase waits longer than this for its condition
@@ -1179,7 +1182,7 @@ def _refuses_only_over_check(lab: Lab, truth: Truth) -> Check:
     # import (nobody can know when they come back) or while the stream refused publishes.
     judged = [p for p in lab.placed if _judged(p) and p.phase != "deep"]
     needless = [p for p in judged if p.outcome == BUSY and p.ub <= YOUNG and truth.cleared(p.a) - p.a <= SPARE]
-    if not needless:
+    if len(needless) < NEEDLESS_MIN:
         if not any(p.outcome == ACCEPTED for p in judged):
             return Check(name, title, False, f"could not be tested: place_order accepted none of the {len(judged)} "
                          "orders placed while the workers ran.", hint="accept while the queue is short")  # fmt: skip
@@ -1232,7 +1235,15 @@ def _promise_check(lab: Lab, truth: Truth) -> Check:
         h = first[p.order_id]
         return min(h.ack_sent, lab.rush_end) - h.ts
 
-    late = [p for p in rush if waited(p) > BUDGET + PROMISE_TOL]
+    # Load must not change the verdict (rule 8): a machine that starves the slow worker after an order was
+    # accepted stretches every wait by the same factor, which no forecast made at acceptance could know.
+    # The budget counts as the time the promise allows at the pace the worker really kept.
+    start = min(p.a for p in rush)
+    acks = sorted(o.ack_sent for o in truth.orders if start <= o.ack_sent <= lab.rush_end)
+    pace = (acks[-1] - acks[0]) / (len(acks) - 1) if len(acks) > 2 else WORK_SLOW
+    slowdown = max(1.0, pace / WORK_SLOW)
+    allowed = BUDGET * slowdown + PROMISE_TOL
+    late = [p for p in rush if waited(p) > allowed]
     if not late:
         return Check(name, title, True)
     p = max(late, key=waited)
@@ -1243,7 +1254,9 @@ def _promise_check(lab: Lab, truth: Truth) -> Check:
     finished = f"finished {waited(p):.3f} s" if h.ack_sent <= lab.rush_end else f"still unfinished {waited(p):.3f} s"
     message = (
         f"{len(late)} of {len(rush)} orders accepted during the rush waited longer than the budget ({BUDGET:.1f} s, "
-        f"tolerance {PROMISE_TOL:.2f} s). {p.order_id}, accepted at {_at(lab, p.a)} while the oldest unfinished order "
+        f"tolerance {PROMISE_TOL:.2f} s"
+        + (f"; the worker kept {pace * 1000:.0f} ms an order, so {allowed:.2f} s in all" if slowdown > 1 else "")
+        + f"). {p.order_id}, accepted at {_at(lab, p.a)} while the oldest unfinished order "
         f"had waited {p.lb:.3f}-{p.ub:.3f} s, was {finished} after the stream stored it: {plural(ahead, 'order')} "
         f"were ahead of it" + (f", finished at about {rate:.0f} a second." if rate else ".")
     )
