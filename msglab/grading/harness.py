@@ -265,7 +265,8 @@ class Workload:
     registers its keys (`run.workload.add(key)` beside each publish; the one line a grader, or
     scaffold's Topology.publish, adds), a call whose key names none of them is a decoy: answered as
     usual, but never counted towards a crash, and kept for `Run.workload_check`. A call with no key
-    (`held`) counts as before, and so does every call while no key is registered.
+    (`held`) counts as before. Until a key is registered every call counts, unless the grader named the
+    judged effects (`only`): then a call before the first publish is a decoy too (it names nothing yet).
     """
 
     def __init__(self) -> None:
@@ -283,7 +284,8 @@ class Workload:
     def decoy(self, name: str, key: str | None) -> bool:
         """A call about no message of this run (only once the grader registered keys)."""
         judged = self.effects is None or name in self.effects
-        return bool(self.keys) and judged and key is not None and key not in self.keys
+        armed = bool(self.keys) or self.effects is not None
+        return armed and judged and key is not None and key not in self.keys
 
 
 class Run:
