@@ -380,7 +380,7 @@ class _Runner:
             from msglab.grading.harness import Refuse
 
             ts = time.time()
-            answer = await _forward(bench.nc, bench.provider.subject, key or "", detail)
+            answer = await er.forward(bench.nc, bench.provider.subject, key or "", detail)
             self.row("attempt", key or "", ts, status=answer.status, text=answer.text, pid=child.pid)
             if answer.error:
                 raise Refuse(answer.error, answer.text)
@@ -443,17 +443,6 @@ class _Runner:
         for email in self.bench.provider.sent():  # what the recipients got, whatever the workers were told
             if email.ts >= self.since:
                 self.row("email", email.order_id or "", email.ts, message_id=email.message_id)
-
-
-async def _forward(nc: Any, subject: str, order: str, detail: dict[str, Any]) -> er.Answer:
-    """er.forward, with the worker's idempotency key when it gave one."""
-    email = {"order_id": order, "to": detail.get("to"), "template": detail.get("template")}
-    try:
-        return er.Answer(200, await ep.send(nc, subject, email, idempotency_key=detail.get("idempotency_key")))
-    except ep.EmailApiError as exc:
-        return er.Answer(exc.status, str(exc))
-    except ConnectionResetError as exc:
-        return er.Answer(0, str(exc))
 
 
 class RedriveEnv:

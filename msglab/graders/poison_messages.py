@@ -138,10 +138,12 @@ ANSWER_WORDS = {
 def _add_effects(env: Any) -> None:
     """Give env the provider's send call (an effect the grader answers) and watch DLQ and redrive publishes."""
 
-    async def send_email(email: Any) -> str:
+    async def send_email(email: Any, idempotency_key: Any = None) -> str:
         if not isinstance(email, dict):
             raise TypeError(f"send_email takes the email as a dict (the parsed message), got {type(email).__name__}")
         detail = {"to": str(email.get("to")), "template": str(email.get("template"))}
+        if idempotency_key is not None:  # lesson 04's keyed send: the provider sends a repeated key once
+            detail["idempotency_key"] = str(idempotency_key)
         return env.world.call("send_email", str(email.get("order_id")), **detail)
 
     env.send_email = send_email
@@ -317,10 +319,11 @@ async def playground(env: Any) -> None:
     env.EmailApiError = EmailApiError
     env.max_deliver = MAX_DELIVER
 
-    async def send_email(email: Any) -> str:
+    async def send_email(email: Any, idempotency_key: Any = None) -> str:
         if not isinstance(email, dict):
             raise TypeError(f"send_email takes the email as a dict (the parsed message), got {type(email).__name__}")
-        return await ep.send(env.nc, provider.subject, email)
+        key = None if idempotency_key is None else str(idempotency_key)
+        return await ep.send(env.nc, provider.subject, email, idempotency_key=key)
 
     env.send_email = send_email
 

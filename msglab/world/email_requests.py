@@ -111,7 +111,8 @@ async def forward(nc: Any, subject: str, order: str, detail: dict[str, Any]) -> 
     """
     email = {"order_id": order, "to": detail.get("to"), "template": detail.get("template")}
     try:
-        return Answer(200, await ep.send(nc, subject, email))
+        key = detail.get("idempotency_key")
+        return Answer(200, await ep.send(nc, subject, email, idempotency_key=str(key) if key else None))
     except ep.EmailApiError as exc:
         return Answer(exc.status, str(exc))
     except ConnectionResetError as exc:
