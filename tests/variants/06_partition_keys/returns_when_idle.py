@@ -1,7 +1,7 @@
 """A worker that stops once its partition ran empty after some work, as a batch job would: the next
 event, published after an idle gap, finds no worker running.
 
-Expect: fail survives_idle
+Expect: fail survives_idle|no_unplanned_deaths
 Says: returned on its own
 """
 
