@@ -1,7 +1,7 @@
 """The solution, but the new layout's workers wait a guessed 1.5 s instead of waiting until the old partitions are
 drained: when the order system is slow just then, the old partitions still hold straddling orders' events.
 
-Expect: fail order_kept_during_rescale|one_owner_per_key
+Expect: fail order_kept_during_rescale|one_owner_per_key|none_lost
 Says: published with n=3 was applied first | held by two workers at once
 """
 
