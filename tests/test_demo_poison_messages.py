@@ -284,6 +284,28 @@ def test_server_facts_the_lesson_shows(server: EmbeddedServer) -> None:
     assert (held.data, held.delivery) == ("o-1042", 2)
 
 
+def test_nak_and_term_wait_in_the_client_buffer_and_a_kill_before_it_leaves_costs_a_redelivery(
+    server: EmbeddedServer,
+) -> None:
+    async def go() -> tuple[demo.BufferedSettles, demo.KilledAfterSettling]:
+        return await demo.settles_in_the_buffer(server.url), await demo.settle_then_kill(server.url, ack_wait=0.5)
+
+    buffered, killed = asyncio.run(go())
+    nak, term = buffered["nak()"], buffered["term()"]
+    assert nak.bytes_buffered > 0 and term.bytes_buffered > 0  # the call returned with its bytes still here
+    # Asked before the worker's event loop ran again: o-1042 still held by the worker, offered to nobody.
+    assert (nak.unacked_before, nak.offered_before, term.unacked_before, term.offered_before) == (1, 0, 1, 0)
+    # After a flush: the nak offered it again at once (delivery 2), the term finished it.
+    assert (nak.unacked_after, nak.offered_after, term.unacked_after, term.offered_after) == (1, 2, 0, 0)
+    # SIGKILLed before the buffer left: the server still held it, and delivered it again (after ack_wait).
+    for did in ("nak()", "term()"):
+        assert (killed[did].exit_signal, killed[did].unacked, killed[did].deliveries) == (9, 1, 2)
+    assert killed["nak(), flush()"].deliveries == 2  # the nak arrived: delivered again, at once
+    flushed = killed["term(), flush()"]
+    assert (flushed.exit_signal, flushed.unacked, flushed.deliveries, flushed.seconds) == (9, 0, 1, None)
+    assert killed.deliveries("term()") == 2 and "finished" in repr(killed) and "nothing" in repr(buffered)
+
+
 def test_without_jitter_every_retry_returns_in_the_same_instant() -> None:
     table = demo.return_after_outage(clients=200, outage=10, delays=[1, 2, 4, 8, 16])
     busiest = {row[0]: row[1] for row in table.rows}

@@ -40,6 +40,7 @@ import types
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -874,3 +875,242 @@ def return_after_outage(
         buckets = Counter(int(a * 10) for a in arrivals)  # 100 ms buckets
         rows.append([name, max(buckets.values()), f"{min(arrivals):.1f}-{max(arrivals):.1f} s"])
     return Table(["policy", "busiest 100 ms after the return", f"the {clients} retries arrived"], rows)
+
+
+# --- nak() and term() only fill a buffer, like ack() ----------------------------------------------
+
+SETTLE_SUBJECT = "lesson04.probe.settle"
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> bool:
+    """Wait until `condition()` holds (asked every 10 ms), at most `timeout` seconds; return whether it did."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def _settle_probe(js: Any, durables: Sequence[str], ack_wait: float) -> None:
+    """A fresh probe stream with one durable per name, each filtered to its own subject holding o-1042."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from msglab.broker import delete_stream
+
+    await delete_stream(js, PROBE_STREAM)
+    await js.add_stream(name=PROBE_STREAM, subjects=[f"{SETTLE_SUBJECT}.>"])
+    for durable in durables:
+        config = ConsumerConfig(
+            durable_name=durable, filter_subject=f"{SETTLE_SUBJECT}.{durable}", ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+        )  # fmt: skip
+        await js.add_consumer(PROBE_STREAM, config)
+        await js.publish(f"{SETTLE_SUBJECT}.{durable}", b"o-1042")
+
+
+async def _offered_now(nc: Any, durable: str) -> int:
+    """The delivery number a fetch that does not wait gets now (0: the server offers nothing)."""
+    request = json.dumps({"batch": 1, "no_wait": True}).encode()
+    reply = await nc.request(f"$JS.API.CONSUMER.MSG.NEXT.{PROBE_STREAM}.{durable}", request, timeout=5)
+    return int(reply.metadata.num_delivered) if reply.reply else 0  # a 404 status has no ack subject
+
+
+async def _unacked(js: Any, durable: str) -> int:
+    return int((await js.consumer_info(PROBE_STREAM, durable)).num_ack_pending)
+
+
+async def _none_unacked(js: Any, durable: str) -> bool:
+    return await _unacked(js, durable) == 0
+
+
+def _look_from_another_thread(url: str, durable: str) -> tuple[int, int]:
+    """(unacked, offered) asked on a connection of another thread, blocking the caller's event loop meanwhile:
+    the caller's connection cannot write its buffer until this returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from msglab.broker import connect
+
+    async def look() -> tuple[int, int]:
+        nc = await connect(url, name="lesson04-observer")
+        try:
+            return await _unacked(nc.jetstream(), durable), await _offered_now(nc, durable)
+        finally:
+            await nc.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, look()).result(timeout=30)
+
+
+@dataclass(frozen=True)
+class Buffered:
+    """One settle call on o-1042, and what the server knew right after it returned and after a flush."""
+
+    call: str  # "nak()" or "term()"
+    bytes_buffered: int  # in the connection's outgoing buffer when the call returned
+    unacked_before: int  # num_ack_pending, asked before the worker's event loop ran again
+    offered_before: int  # the delivery a fetch got then (0: nothing)
+    unacked_after: int  # after `await nc.flush()`, once the server acted on it
+    offered_after: int
+
+
+@dataclass
+class BufferedSettles:
+    """nak() and term() on a durable (ack_wait 30 s): the server right after each call, and after a flush."""
+
+    rows: list[Buffered]
+
+    def table(self) -> Table:
+        def said(unacked: int, offered: int) -> str:
+            return f"{unacked} unacked; a fetch gets " + (f"o-1042 (delivery {offered})" if offered else "nothing")
+
+        head = ["the worker called", "bytes left in its buffer", "the server right after", "after await nc.flush()"]
+        return Table(head, [
+            [r.call, r.bytes_buffered, said(r.unacked_before, r.offered_before), said(r.unacked_after, r.offered_after)]
+            for r in self.rows
+        ])  # fmt: skip
+
+    def __getitem__(self, call: str) -> Buffered:
+        return next(r for r in self.rows if r.call == call)
+
+    def __repr__(self) -> str:
+        return repr(self.table())
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+
+async def settles_in_the_buffer(url: str | None = None) -> BufferedSettles:
+    """Fetch o-1042 on a worker connection, nak() it (term() it on a second durable), then ask the server from
+    another connection before the worker's event loop runs again; then `await nc.flush()` and ask again."""
+    from msglab.broker import connect, delete_stream, server_url
+
+    url = url or server_url()
+    worker = await connect(url, name="lesson04-worker")
+    observer = await connect(url, name="lesson04-observer")
+    js = observer.jetstream()
+    rows = []
+    try:
+        await _settle_probe(js, ["nak", "term"], ack_wait=30)  # no redelivery by timer during the experiment
+        for how in ("nak", "term"):
+            sub = await worker.jetstream().pull_subscribe_bind(how, PROBE_STREAM)
+            [msg] = await sub.fetch(1, timeout=10)
+            await getattr(msg, how)()
+            buffered = int(getattr(worker, "_pending_data_size", -1))  # nats-py's outgoing buffer
+            unacked_before, offered_before = _look_from_another_thread(url, how)
+            await worker.flush()
+            if how == "term":  # the server acts on a settle a moment after reading it
+                await _until(partial(_none_unacked, js, how))
+                unacked_after, offered_after = await _unacked(js, how), await _offered_now(observer, how)
+            else:  # a nak without a delay: offered again at once, so a waiting fetch gets it
+                unacked_after = await _unacked(js, how)
+                [again] = await (await js.pull_subscribe_bind(how, PROBE_STREAM)).fetch(1, timeout=10)
+                offered_after = int(again.metadata.num_delivered)
+            await sub.unsubscribe()
+            rows.append(Buffered(f"{how}()", buffered, unacked_before, offered_before, unacked_after, offered_after))
+        return BufferedSettles(rows)
+    finally:
+        await delete_stream(js, PROBE_STREAM)
+        await worker.close()
+        await observer.close()
+
+
+# A worker process: fetch o-1042, settle it, maybe flush, and SIGKILL itself before its event loop runs again.
+_SETTLE_AND_DIE = """
+import asyncio, os, signal, sys, time
+import nats
+
+async def main():
+    stream, durable, how, flush = sys.argv[1:5]
+    nc = await nats.connect(os.environ["MSGLAB_SETTLE_URL"], name="lesson04-doomed-worker")
+    sub = await nc.jetstream().pull_subscribe_bind(durable, stream)
+    [msg] = await sub.fetch(1, timeout=30)
+    print(time.time(), flush=True)  # when o-1042 was delivered
+    await getattr(msg, how)()
+    if flush == "flush":
+        await nc.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+@dataclass(frozen=True)
+class Killed:
+    """A worker process that settled o-1042 and was SIGKILLed on the next line; what the server did next."""
+
+    did: str  # "term()", "term(), flush()"
+    exit_signal: int  # 9: SIGKILL
+    unacked: int  # num_ack_pending once the process was gone (and the server had acted on what reached it)
+    deliveries: int  # o-1042's deliveries in all
+    seconds: float | None  # from its first delivery to the next (None: it never came back)
+
+
+@dataclass
+class KilledAfterSettling:
+    """Workers killed right after a settle call, with and without a flush first."""
+
+    rows: list[Killed]
+    ack_wait: float
+
+    def deliveries(self, did: str) -> int:
+        return next(r.deliveries for r in self.rows if r.did == did)
+
+    def __getitem__(self, did: str) -> Killed:
+        return next(r for r in self.rows if r.did == did)
+
+    def table(self) -> Table:
+        def then(r: Killed) -> str:
+            if r.seconds is None:
+                return "nothing more: o-1042 is finished"
+            return f"delivered o-1042 again (delivery {r.deliveries}) {r.seconds:.2f} s after the first"
+
+        head = ["the worker, then SIGKILL", "unacked after the kill", f"the server (ack_wait {self.ack_wait:g} s)"]
+        return Table(head, [[r.did, r.unacked, then(r)] for r in self.rows])
+
+    def __repr__(self) -> str:
+        return repr(self.table())
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+
+async def settle_then_kill(url: str | None = None, ack_wait: float = 1.0) -> KilledAfterSettling:
+    """Four worker processes, each on a durable of its own: fetch o-1042; nak() or term() it, with or without
+    `await nc.flush()`; SIGKILL. Then what the server holds and whether, and when, o-1042 comes back."""
+    from msglab.broker import connect, delete_stream, server_url
+
+    url = url or server_url()
+    plans = {"nak": ("nak", ""), "nak_flush": ("nak", "flush"), "term": ("term", ""), "term_flush": ("term", "flush")}
+    nc = await connect(url, name="lesson04-observer")
+    js = nc.jetstream()
+    try:
+        await _settle_probe(js, list(plans), ack_wait=ack_wait)
+        return KilledAfterSettling(
+            list(await asyncio.gather(*(_kill_one(url, js, d, *p) for d, p in plans.items()))), ack_wait
+        )
+    finally:
+        await delete_stream(js, PROBE_STREAM)
+        await nc.close()
+
+
+async def _kill_one(url: str, js: Any, durable: str, how: str, flush: str) -> Killed:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _SETTLE_AND_DIE, PROBE_STREAM, durable, how, flush,
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "MSGLAB_SETTLE_URL": url},
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    if proc.returncode is None or proc.returncode >= 0 or not out.strip():
+        raise RuntimeError(f"the worker for {durable} ended with {proc.returncode}, not a SIGKILL after a delivery")
+    delivered = float(out.split()[0])
+    did = f"{how}()" + (", flush()" if flush else "")
+    # A term that reached the server finishes o-1042 a moment later; if it is still unacked, it comes back.
+    if how == "term" and flush and await _until(partial(_none_unacked, js, durable), timeout=5):
+        return Killed(did, -proc.returncode, 0, 1, None)
+    unacked = await _unacked(js, durable)
+    sub = await js.pull_subscribe_bind(durable, PROBE_STREAM)
+    [again] = await sub.fetch(1, timeout=30)  # waits for the redelivery, whenever the server makes it
+    seconds = time.time() - delivered
+    await again.ack_sync()
+    await sub.unsubscribe()
+    return Killed(did, -proc.returncode, unacked, int(again.metadata.num_delivered), seconds)
