@@ -21,7 +21,16 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from msglab.broker.server import EmbeddedServer
-from msglab.broker.users import LEARNER_INBOX, RUN_JETSTREAM, RunUsers, SharedUsers, slot_prefix, slot_url
+from msglab.broker.users import (
+    LEARNER_INBOX,
+    RUN_JETSTREAM,
+    SLOT_JETSTREAM,
+    RunUsers,
+    SharedUsers,
+    slot_grader_url,
+    slot_prefix,
+    slot_url,
+)
 
 LAB = types.SimpleNamespace(
     STREAM="ORDERS", STREAMS=("ORDERS", "ORDERS_DLQ"), DURABLE="fulfil", LEARNER_SUBJECTS=["orders.>"],
@@ -212,8 +221,51 @@ def test_a_slot_user_is_at_least_as_strict(tmp_path: Path) -> None:
                  "dlq": f"{prefix.upper()}_EMAILS_DLQ", "subject": f"{prefix}.orders.placed",
                  "wildcard": f"{prefix}.orders.placed", "dlq_subject": f"{prefix}.orders.email.dlq",
                  "provider": f"{prefix}.provider.send", "gateway": f"{prefix}.gateway.charge"}  # fmt: skip
-        out = asyncio.run(_operations(admin, slot_url(admin, 7), f"_INBOX_{prefix}", names))
+        out = asyncio.run(_operations(slot_grader_url(admin, 7), slot_url(admin, 7), f"_INBOX_{prefix}", names))
     _judge(out)
+
+
+def test_a_slots_jetstream_storage_is_bounded_and_the_slot_cannot_lift_the_bound(tmp_path: Path) -> None:
+    users = SharedUsers()
+    config = tmp_path / "shared.conf"
+    config.write_text(users.config())
+
+    async def hog(admin: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        grader = await nats.connect(slot_grader_url(admin, 7))
+        await grader.jetstream().add_stream(name="S07_ORDERS", subjects=["s07.orders.>"])
+        learner = await nats.connect(slot_url(admin, 7), inbox_prefix="_INBOX_s07", allow_reconnect=False)
+        js, stored, chunk = learner.jetstream(), 0, b"x" * (256 << 10)
+        try:
+            for _ in range(1000):  # 250 MB, far past the bound
+                await js.publish("s07.orders.placed", chunk)
+                stored += len(chunk)
+            out["hog"] = "never refused"
+        except Exception as exc:
+            out["hog"] = f"{type(exc).__name__}: {exc}"
+        out["stored"] = stored
+        # Lifting the bound: a stream of its own, or the grader's stream made bigger (the API is not its to call).
+        lift = json.dumps({"name": "S07_ORDERS", "subjects": ["s07.orders.>"], "max_bytes": -1}).encode()
+        out["update the stream"] = await _attempt(learner.request("$JS.API.STREAM.UPDATE.S07_ORDERS", lift))
+        out["create a stream"] = await _attempt(js.add_stream(name="S07_MORE", subjects=["s07.more"]))
+        info = await grader.jetstream().account_info()
+        out["account"] = (info.limits.max_storage, info.storage)
+        # Another slot stores as before; the course's own account does not even see slot 7's stream.
+        other = await nats.connect(slot_grader_url(admin, 8))
+        await other.jetstream().add_stream(name="S08_ORDERS", subjects=["s08.orders.>"])
+        out["slot 8"] = await _attempt(other.jetstream().publish("s08.orders.placed", chunk))
+        course = await nats.connect(admin)
+        out["course sees slot 7"] = await _attempt(course.jetstream().stream_info("S07_ORDERS"))
+        for nc in (learner, grader, other, course):
+            await nc.close()
+        return out
+
+    with EmbeddedServer(config=str(config)) as server:
+        out = asyncio.run(hog(users.admin_url(server.url)))
+    assert out["stored"] <= SLOT_JETSTREAM["max_file"] and "err_code=10002" in out["hog"], out  # limits exceeded
+    assert out["update the stream"].startswith("refused") and out["create a stream"].startswith("refused"), out
+    assert out["account"][0] == SLOT_JETSTREAM["max_file"] and out["account"][1] <= SLOT_JETSTREAM["max_file"], out
+    assert out["slot 8"] == "ok" and out["course sees slot 7"].startswith("refused NotFoundError"), out
 
 
 def test_a_declared_lab_service_takes_the_learners_requests_but_the_learner_cannot_answer_for_it(
@@ -249,3 +301,27 @@ def test_a_declared_lab_service_takes_the_learners_requests_but_the_learner_cann
     with EmbeddedServer(config=str(config)) as server:
         asked, overheard = asyncio.run(scenario(users.grader_url(server.url), users.learner_url(server.url)))
     assert asked == "ok" and overheard == []
+
+
+def test_a_machine_with_little_free_disk_still_starts_a_shared_server_with_every_slot_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    # The server reserves every slot's bound at start: by its defaults (75% of the free disk) 100 MB
+    # could not hold 32 x 32 MB, and it would refuse to start.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 100 << 20))
+    users = SharedUsers()
+    config = tmp_path / "shared.conf"
+    config.write_text(users.config())
+    assert config.read_text().startswith("jetstream ")
+    monkeypatch.undo()
+
+    async def limits(admin: str) -> int:
+        nc = await nats.connect(slot_grader_url(admin, 32))
+        info = await nc.jetstream().account_info()
+        await nc.close()
+        return int(info.limits.max_storage)
+
+    with EmbeddedServer(config=str(config)) as server:
+        assert asyncio.run(limits(users.admin_url(server.url))) == SLOT_JETSTREAM["max_file"]

@@ -63,6 +63,9 @@ COURSE_SERVICES = ["provider.>", "gateway.>"]
 GRADER_ONLY_SERVICES = ["provider.>"]
 # A run's own server: its account's JetStream storage (a lab stores kilobytes; an attack stored 300 MB).
 RUN_JETSTREAM = {"max_memory": 32 << 20, "max_file": 64 << 20, "max_streams": 16, "max_consumers": 64}
+# A shared server's slot: each slot is an account of its own with this bound. The server reserves every
+# account's bound at start, so it is smaller than a run's own (32 slots reserve 256 MB of memory, 1 GB of disk).
+SLOT_JETSTREAM = {"max_memory": 8 << 20, "max_file": 32 << 20, "max_streams": 16, "max_consumers": 64}
 
 
 def _names(module: Any, one: str, many: str) -> list[str]:
@@ -170,12 +173,21 @@ ADMIN = "admin"
 SLOTS = 32  # concurrent grading runs one grading machine can hold on a shared server
 
 
-def slot_password(admin_password: str, slot: int) -> str:
-    """A slot user's password, derived from the admin's: whoever holds the admin URL can grade."""
+def _derived(admin_password: str, user: str) -> str:
     import hashlib
     import hmac
 
-    return hmac.new(admin_password.encode(), f"slot{slot:02d}".encode(), hashlib.sha256).hexdigest()[:32]
+    return hmac.new(admin_password.encode(), user.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def slot_password(admin_password: str, slot: int) -> str:
+    """A slot user's password, derived from the admin's: whoever holds the admin URL can grade."""
+    return _derived(admin_password, f"slot{slot:02d}")
+
+
+def slot_grader_password(admin_password: str, slot: int) -> str:
+    """The password of a slot's grader user (its account's full rights), derived from the admin's."""
+    return _derived(admin_password, f"slot{slot:02d}-grader")
 
 
 def slot_prefix(slot: int) -> str:
@@ -267,25 +279,32 @@ def slot_permissions(
 
 
 class SharedUsers:
-    """The users of a shared server: an admin (graders, lessons, course services) and one user per slot."""
+    """The users of a shared server: an admin (lessons, course services) and one account per grading slot.
+
+    A slot's account holds its grader user (full rights there: the run's streams, durables, services and
+    broker watch) and its learner user (`slot_permissions`), and bounds its JetStream (`SLOT_JETSTREAM`):
+    a run can neither fill the server's storage for everyone nor see another account's subjects.
+    """
 
     def __init__(self, admin_password: str | None = None, slots: int = SLOTS) -> None:
         self.admin_password = admin_password or secrets.token_urlsafe(18)
         self.slots = slots
 
     def config(self) -> str:
-        users: list[dict[str, object]] = [{"user": ADMIN, "password": self.admin_password}]
         streams, services, durables = course_streams(), course_service_subjects(), course_durables()
         platform = course_platform_streams()
+        accounts: dict[str, object] = {
+            "COURSE": {"jetstream": "enabled", "users": [{"user": ADMIN, "password": self.admin_password}]}
+        }
         for slot in range(1, self.slots + 1):
-            users.append(
-                {
-                    "user": f"slot{slot:02d}",
-                    "password": slot_password(self.admin_password, slot),
-                    "permissions": slot_permissions(slot, streams, services, durables, platform),
-                }
-            )
-        return "authorization " + json.dumps({"users": users}, indent=2) + "\n"
+            grader = {"user": f"slot{slot:02d}-grader", "password": slot_grader_password(self.admin_password, slot)}
+            learner = {
+                "user": f"slot{slot:02d}",
+                "password": slot_password(self.admin_password, slot),
+                "permissions": slot_permissions(slot, streams, services, durables, platform),
+            }
+            accounts[f"SLOT{slot:02d}"] = {"jetstream": SLOT_JETSTREAM, "users": [grader, learner]}
+        return _store_limits(self.slots) + "accounts " + json.dumps(accounts, indent=2) + "\n"
 
     def admin_url(self, url: str) -> str:
         return with_credentials(url, ADMIN, self.admin_password)
@@ -306,6 +325,35 @@ def slot_url(url: str, slot: int) -> str:
     admin = admin_password_of(url)
     assert admin is not None
     return with_credentials(url, f"slot{slot:02d}", slot_password(admin, slot))
+
+
+def slot_grader_url(url: str, slot: int) -> str:
+    """The URL of the grader (and its course services) of a run on `slot`, from the admin URL."""
+    admin = admin_password_of(url)
+    assert admin is not None
+    return with_credentials(url, f"slot{slot:02d}-grader", slot_grader_password(admin, slot))
+
+
+RESERVE_HEADROOM = 256 << 20  # what the course's own account keeps beyond the slots' reservation
+
+
+def _store_limits(slots: int) -> str:
+    """Server-wide JetStream maxima, only where the machine's defaults (75% of its memory and of the free
+    disk) could not hold every slot's reserved bound: the server would refuse to start otherwise."""
+    import os
+    import shutil
+    import tempfile
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4
+    disk = shutil.disk_usage(tempfile.gettempdir()).free * 3 // 4
+    need_memory = slots * SLOT_JETSTREAM["max_memory"] + RESERVE_HEADROOM
+    need_disk = slots * SLOT_JETSTREAM["max_file"] + RESERVE_HEADROOM
+    limits = {}
+    if memory < need_memory:
+        limits["max_memory_store"] = need_memory
+    if disk < need_disk:
+        limits["max_file_store"] = need_disk
+    return "jetstream " + json.dumps(limits) + "\n" if limits else ""
 
 
 def start_shared_server(**options: object) -> tuple[object, str]:

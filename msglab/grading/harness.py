@@ -47,7 +47,15 @@ from urllib.parse import urlsplit
 
 from msglab.broker import connect, delete_streams
 from msglab.broker.server import EmbeddedServer, _pid_alive
-from msglab.broker.users import LEARNER_INBOX, SLOTS, RunUsers, admin_password_of, slot_prefix, slot_url
+from msglab.broker.users import (
+    LEARNER_INBOX,
+    SLOTS,
+    RunUsers,
+    admin_password_of,
+    slot_grader_url,
+    slot_prefix,
+    slot_url,
+)
 from msglab.catalog import course_root
 from msglab.errors import GraderError
 from msglab.grading import nemesis, rules
@@ -346,7 +354,8 @@ class Run:
         if shared and admin_password_of(shared):
             # A shared server msglab started: this run takes a slot, whose user may touch only its names.
             slot = await asyncio.to_thread(self._take_slot, shared)
-            self.url, self.learner_url = shared, slot_url(shared, slot)
+            # The slot's own account: its storage is bounded, and nothing of another run's is in sight.
+            self.url, self.learner_url = slot_grader_url(shared, slot), slot_url(shared, slot)
             self.names = Names(slot_prefix(slot))
             self.inbox_prefix = f"_INBOX_{slot_prefix(slot)}"
         elif shared:
