@@ -480,3 +480,205 @@ def test_the_handout_names_an_address_learners_laptops_reach(tmp_path: Path) -> 
     done = cli(["classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "nowhere"), "--port", "0"])
     assert done.returncode == 2 and "--advertise ADDRESS" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "nowhere").exists(), "nothing is written before the address is known"
+
+
+# --- a TLS room ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_room(tmp_path: Path) -> Iterator[Classroom]:
+    """A classroom server that requires TLS, for alice and bob on 127.0.0.1 (any free ports)."""
+    classroom = Classroom.create(tmp_path / "tls-room", ["alice", "bob"], limits=LIMITS, host="127.0.0.1", port=0,
+                                 monitor_port=0, tls=True)  # fmt: skip
+    server = start(classroom)
+    try:
+        yield classroom
+    finally:
+        server.stop()
+
+
+async def _refusal(url: str, **options: Any) -> str:
+    """What nats-py says when `url` does not take the connection ("" if it does)."""
+    said: list[Exception] = []
+
+    async def quiet(exc: Exception) -> None:
+        said.append(exc)
+
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5, error_cb=quiet, **options)
+    except Exception as exc:
+        return repr(said[0] if said else exc)
+    await nc.jetstream().account_info()
+    await nc.close()
+    return ""
+
+
+def test_a_tls_room_takes_a_learner_who_has_its_ca_and_no_client_without_it(tls_room: Classroom,
+                                                                            tmp_path: Path) -> None:  # fmt: skip
+    from cryptography import x509
+
+    from msglab.broker import tls_context
+    from msglab.classroom.server import make_certificates
+
+    url = tls_room.local_url("alice")
+    assert url.startswith("tls://") and tls_room.learner_url("alice").startswith("tls://")
+    assert asyncio.run(_refusal(url, **tls_room.tls_options())) == ""
+    # No CA: nats-py checks against the system's CAs and refuses, nats:// or tls:// alike (the server requires TLS).
+    for plain in (url, url.replace("tls://", "nats://")):
+        assert "CERTIFICATE_VERIFY_FAILED" in asyncio.run(_refusal(plain)), plain
+    make_certificates(tmp_path / "other-room", ["127.0.0.1"])  # another room's CA, same names: not this room's
+    other = tls_context((tmp_path / "other-room" / "ca.pem").read_text())
+    assert "CERTIFICATE_VERIFY_FAILED" in asyncio.run(_refusal(url, tls=other))
+    # What was written: the CA key for the instructor alone, a server certificate naming the room's addresses.
+    folder = tls_room.folder / "tls"
+    for key in ("ca-key.pem", "server-key.pem"):
+        assert oct((folder / key).stat().st_mode & 0o777) == "0o600", key
+    cert = x509.load_pem_x509_certificate((folder / "server.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)} == {"127.0.0.1"}
+    assert sans.get_values_for_type(x509.DNSName) == ["localhost"]
+    handout = (tls_room.folder / "learners" / "alice.txt").read_text()
+    assert tls_room.learner_url("alice") in handout and tls_room.ca_pem().strip() in handout
+
+
+def test_a_tls_room_keeps_its_ca_across_restarts_and_names_the_advertised_address(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    room = Classroom.create(tmp_path / "room", ["alice"], host="127.0.0.1", port=0, monitor_port=0, tls=True)
+    start(room).stop()
+    ca = room.ca_pem()
+    # Served again for another address (documentation space: only written into the certificate and handouts).
+    again = Classroom.create(tmp_path / "room", ["alice"], host="127.0.0.1", port=0, monitor_port=0, tls=True,
+                             advertise="192.0.2.10")  # fmt: skip
+    start(again).stop()
+    assert again.ca_pem() == ca, "the CA handed out stays valid"
+    cert = x509.load_pem_x509_certificate((tmp_path / "room" / "tls" / "server.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)} == {"192.0.2.10", "127.0.0.1"}
+    assert "tls://alice:" in (tmp_path / "room" / "learners" / "alice.txt").read_text()
+
+
+def test_in_a_tls_room_a_password_never_crosses_the_network_in_clear(tls_room: Classroom) -> None:
+    """Every byte clients send passes a relay that keeps them; the server refuses a CONNECT sent in clear."""
+    password = tls_room.learners["alice"].encode()
+    sent = bytearray()
+
+    async def scenario() -> tuple[str, str, bytes, bytes]:
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", tls_room.bound_port)
+
+            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, keep: bool) -> None:
+                while data := await src.read(65536):
+                    if keep:
+                        sent.extend(data)
+                    dst.write(data)
+                    await dst.drain()
+                dst.close()
+
+            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
+                                 return_exceptions=True)  # fmt: skip
+
+        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+        port = proxy.sockets[0].getsockname()[1]
+        via = tls_room.local_url("alice").replace(f":{tls_room.bound_port}", f":{port}")
+        with_ca = await _refusal(via, **tls_room.tls_options())
+        without_ca = await _refusal(via.replace("tls://", "nats://"))
+        proxy.close()
+        # A client that ignores tls_required and sends its CONNECT in clear is cut off: no +OK, no PONG.
+        reader, writer = await asyncio.open_connection("127.0.0.1", tls_room.bound_port)
+        info = await reader.readline()
+        writer.write(b'CONNECT {"verbose":true,"user":"alice","pass":"' + password + b'"}\r\nPING\r\n')
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return with_ca, without_ca, info, answer
+
+    with_ca, without_ca, info, answer = asyncio.run(scenario())
+    assert with_ca == "" and "CERTIFICATE_VERIFY_FAILED" in without_ca, (with_ca, without_ca)
+    assert len(sent) > 500, "the relay carried both clients' traffic"
+    assert password not in sent and b"CONNECT" not in sent, "only TLS records went to the server"
+    assert json.loads(info.split(b" ", 1)[1])["tls_required"] is True
+    assert b"+OK" not in answer and b"PONG" not in answer, answer
+
+
+def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
+    tls_room: Classroom, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from msglab.broker import connect, server_info
+    from msglab.classroom.join import joined_ca, joined_url
+    from msglab.errors import ServerUnreachable
+
+    async def streams(**options: Any) -> int:
+        nc = await connect(**options)
+        try:
+            return int((await nc.jetstream().account_info()).streams)
+        finally:
+            await nc.close()
+
+    state = tmp_path / "state"
+    monkeypatch.setenv("MSGLAB_STATE_DIR", str(state))
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.delenv("NATS_CA", raising=False)
+    # The bare URL, without the room's certificate: refused with what to do, nothing saved.
+    done = cli(["join", tls_room.learner_url("alice")], env={"MSGLAB_STATE_DIR": str(state)})
+    assert done.returncode == 2 and "certificate" in done.stderr and "handed out" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and joined_url() is None
+    # The handout: one step.
+    done = cli(["join", str(tls_room.folder / "learners" / "alice.txt")], env={"MSGLAB_STATE_DIR": str(state)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "as alice" in done.stdout and "TLS" in done.stdout
+    assert joined_url() == tls_room.learner_url("alice") and joined_ca() == tls_room.ca_pem().strip()
+    assert server_info().url == tls_room.learner_url("alice")
+    assert asyncio.run(streams()) == 0  # what a lesson's msglab.connect() does: checked against the room's CA
+    # NATS_URL (a shell, `msglab check` on the room) with NATS_CA: a file, or the PEM itself.
+    monkeypatch.setenv("MSGLAB_STATE_DIR", str(tmp_path / "nobody"))
+    monkeypatch.setenv("NATS_URL", tls_room.local_url("bob"))
+    for ca in (str(tls_room.ca_file), tls_room.ca_pem(), str(state / "room-ca.pem")):
+        monkeypatch.setenv("NATS_CA", ca)
+        assert asyncio.run(streams()) == 0
+    monkeypatch.delenv("NATS_CA")
+    with pytest.raises(ServerUnreachable, match="does not check out"):
+        asyncio.run(streams())
+    # --ca with the bare URL works too.
+    done = cli(["join", tls_room.learner_url("bob"), "--ca", str(tls_room.ca_file)],
+               env={"MSGLAB_STATE_DIR": str(tmp_path / "bob")})  # fmt: skip
+    assert done.returncode == 0 and "as bob" in done.stdout, done.stdout + done.stderr
+
+
+def test_classroom_serve_tls_hands_out_files_learners_join_with_and_status_reads_the_room(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "NATS_CA")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLI_DRIVER, "classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "room"),
+         "--local", "--port", "0", "--monitor-port", "0", "--tls"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops the server" in line:
+            break
+    text = "".join(lines)
+    try:
+        assert "tls://127.0.0.1:" in text and "TLS required" in text and "msglab join learner01.txt" in text, text
+        done = cli(["join", str(tmp_path / "room" / "learners" / "learner01.txt")],
+                   env={"MSGLAB_STATE_DIR": str(tmp_path / "state")})  # fmt: skip
+        assert done.returncode == 0 and "as learner01" in done.stdout, done.stdout + done.stderr
+        done = cli(["classroom", "status", "--dir", str(tmp_path / "room")])
+        assert done.returncode == 0 and "nats-server" in done.stdout, done.stdout + done.stderr
+        learner01 = next(row for row in done.stdout.splitlines() if row.strip().startswith("learner01"))
+        assert learner01.split()[1] == "0", learner01  # its connections, read over TLS as the instructor
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+def test_serve_tls_without_the_cryptography_package_says_what_to_install(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['cryptography'] = None\n"  # as on a machine without msglab[classroom]
+            "from pathlib import Path\nfrom msglab.classroom.server import ClassroomError, make_certificates\n"
+            "try:\n    make_certificates(Path(sys.argv[1]), ['127.0.0.1'])\n"
+            "except ClassroomError as exc:\n    print(exc)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tls")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)  # fmt: skip
+    assert "pip install 'msglab[classroom]'" in done.stdout, done.stdout + done.stderr
+    assert not (tmp_path / "tls").exists()

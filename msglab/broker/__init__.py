@@ -4,6 +4,12 @@ One rule everywhere: if NATS_URL is set, use that server and start nothing. Othe
 has started one and put its address in NATS_URL for every notebook; a kernel started any other
 way (VS Code, plain `jupyter lab`) uses the classroom account `msglab join` saved, if any, or else
 gets its own server on demand, stopped when the kernel exits.
+
+A classroom server may speak TLS with a CA of its own (`classroom serve --tls`). Every connection
+the course opens checks the server's certificate (never with verification off) against NATS_CA
+when set (a PEM file, or the PEM itself: the nats CLI's variable), else against the CA `msglab
+join` saved, for that server; otherwise against the system's CAs. `tls_options(url)` gives the
+nats.connect options that do it; `connect` uses them.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ import asyncio
 import os
 import re
 import socket
+import ssl
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from msglab.broker.server import EmbeddedServer
-from msglab.errors import ServerUnreachable
+from msglab.errors import MsglabError, ServerUnreachable
 
+CA_VARIABLE = "NATS_CA"
+_PEM = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----")
 _shared: EmbeddedServer | None = None
 
 
@@ -79,20 +89,101 @@ def probe(url: str, timeout: float = 1.0) -> None:
         raise ServerUnreachable(f"no NATS server answers at {first} ({exc.strerror or exc})") from exc
 
 
+def certificates_in(text: str) -> str:
+    """The PEM certificates in `text` (a handout holds words around them), joined; "" if none."""
+    return "\n".join(match.group(0) for match in _PEM.finditer(text))
+
+
+def trusted_ca(url: str | None = None) -> str | None:
+    """The PEM of the CA to check `url`'s server against: NATS_CA, else the joined room's for its server; or None."""
+    given = os.environ.get(CA_VARIABLE, "").strip()
+    if given:
+        text = given
+        if "-----BEGIN" not in given:
+            try:
+                text = Path(given).expanduser().read_text(encoding="ascii", errors="replace")
+            except OSError as exc:
+                said = f"{CA_VARIABLE}={given} cannot be read: {exc.strerror or exc}"
+                raise MsglabError(said, hint="set NATS_CA to the room's CA certificate (ca.pem), or unset it") from exc
+        pem = certificates_in(text)
+        if not pem:
+            raise MsglabError(f"{CA_VARIABLE}={given[:60]} holds no PEM certificate",
+                              hint="set NATS_CA to the room's CA certificate (ca.pem), or unset it")  # fmt: skip
+        return pem
+    from msglab.classroom.join import joined_ca, joined_url
+
+    joined = joined_url()
+    if joined and (url is None or _server_of(url) == _server_of(joined)):
+        return joined_ca()
+    return None
+
+
+def _server_of(url: str) -> tuple[str, int]:
+    first = url.split(",")[0].strip()
+    parsed = urlparse(first if "://" in first else f"nats://{first}")
+    return (parsed.hostname or "").lower(), parsed.port or 4222
+
+
+def tls_context(pem: str) -> ssl.SSLContext:
+    """An SSL context that trusts only the CA in `pem`, hostname and chain checked."""
+    try:
+        return ssl.create_default_context(cadata=pem)
+    except ssl.SSLError as exc:
+        raise MsglabError(f"the room's CA certificate cannot be used: {exc}",
+                          hint="ask your instructor for the handout again") from exc  # fmt: skip
+
+
+def tls_options(url: str | None = None) -> dict[str, Any]:
+    """nats.connect options that check `url`'s server against the room's CA: {"tls": context}, or {}.
+
+    A connection that does not end up TLS ignores them; without them nats-py checks against the system's CAs.
+    """
+    pem = trusted_ca(url)
+    return {"tls": tls_context(pem)} if pem else {}
+
+
 async def connect(url: str | None = None, *, name: str = "msglab", **options: Any) -> Any:
     """Connect to the course's server (or url) and return the nats.NATS client.
 
     Fails within a few seconds with ServerUnreachable instead of retrying for minutes.
     """
     import nats  # imported here: `import msglab` stays cheap
+    from nats.aio.client import _default_error_callback
 
     url = url or server_url()
     probe(url)
     options.setdefault("connect_timeout", 2)
+    for key, value in tls_options(url).items():
+        options.setdefault(key, value)
+    # nats-py retries a certificate that does not check out like a dropped line: stop at the first.
+    refused: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    passed_on = options.get("error_cb") or _default_error_callback
+
+    async def error_cb(exc: Exception) -> None:
+        if isinstance(exc, ssl.SSLCertVerificationError) and not refused.done():
+            refused.set_result(exc)
+        await passed_on(exc)
+
+    options["error_cb"] = error_cb
+    connecting: asyncio.Future[Any] = asyncio.ensure_future(nats.connect(url, name=name, **options))
     try:
-        return await asyncio.wait_for(nats.connect(url, name=name, **options), 5)
+        await asyncio.wait([connecting, refused], timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.wait([connecting])  # gone before we say why (its own error says less)
+            raise refused.result() if refused.done() else TimeoutError()
+        return connecting.result()
+    except ssl.SSLCertVerificationError as exc:
+        raise ServerUnreachable(
+            f"the TLS certificate of the server at {masked(url)} does not check out against the CA this course "
+            f"trusts for it ({exc.verify_message})",
+            hint="join with the handout your instructor gave you (it holds the room's certificate), "
+            "or set NATS_CA to the room's ca.pem",
+        ) from exc
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise ServerUnreachable(f"could not open a NATS connection to {url}: {exc!r}") from exc
+        raise ServerUnreachable(f"could not open a NATS connection to {masked(url)}: {exc!r}") from exc
+    finally:
+        connecting.cancel()  # the caller cancelled us: nothing keeps connecting behind its back
 
 
 async def connect_js(url: str | None = None, **options: Any) -> tuple[Any, Any]:

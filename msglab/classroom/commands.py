@@ -68,17 +68,25 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or ("127.0.0.1" if args.local else "0.0.0.0")
     classroom = Classroom.create(
         Path(args.dir), names, limits=limits, host=host, port=args.port,
-        advertise=advertise, monitor_host=args.monitor_host, monitor_port=args.monitor_port,
+        advertise=advertise, monitor_host=args.monitor_host, monitor_port=args.monitor_port, tls=args.tls,
     )  # fmt: skip
     server = start(classroom)
     first = next(iter(classroom.learners))
     print(f"msglab classroom: nats-server {server.version} with JetStream, {len(classroom.learners)} learner accounts")
-    print(f"  learners connect to: nats://{classroom.public_host}:{classroom.bound_port}"
+    print(f"  learners connect to: {classroom.scheme}://{classroom.public_host}:{classroom.bound_port}"
           f"   (listening on {classroom.host}:{classroom.bound_port})")  # fmt: skip
+    if classroom.tls:
+        print(f"  TLS required: the room's CA is {classroom.ca_file} (its key beside it, yours alone); the server's "
+              f"certificate names {', '.join(classroom.tls_names())}")  # fmt: skip
     print(f"  per learner:  {limits.describe()}")
-    print(f"  hand out:     {classroom.folder / 'handout.csv'} (one URL with credentials per learner; "
-          f"{classroom.folder / 'learners'}/<name>.txt each)")  # fmt: skip
-    print(f"  e.g. {first}:  msglab join {classroom.learner_url(first)}")
+    if classroom.tls:
+        print(f"  hand out:     {classroom.folder / 'learners'}/<name>.txt (URL with credentials and the room's "
+              f"certificate; {classroom.folder / 'handout.csv'} lists them)")  # fmt: skip
+        print(f"  e.g. {first}:  msglab join {first}.txt")
+    else:
+        print(f"  hand out:     {classroom.folder / 'handout.csv'} (one URL with credentials per learner; "
+              f"{classroom.folder / 'learners'}/<name>.txt each)")  # fmt: skip
+        print(f"  e.g. {first}:  msglab join {classroom.learner_url(first)}")
     print(f"  monitoring:   {classroom.monitor_url}/jsz?accounts=true   (instructor only: bound to "
           f"{classroom.monitor_host})")  # fmt: skip
     print(f"  status:       msglab classroom status --dir {args.dir}")
@@ -94,9 +102,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import os
+
+    from msglab.classroom.server import Classroom
     from msglab.classroom.status import render, status
 
-    report = status(Path(args.dir), Path(args.gradebook) if args.gradebook else None,
+    folder = Path(args.dir)
+    if (folder / "tls" / "ca.pem").is_file() and Classroom.load(folder).tls:
+        os.environ.setdefault("NATS_CA", str(folder / "tls" / "ca.pem"))  # the instructor's own room, checked
+    report = status(folder, Path(args.gradebook) if args.gradebook else None,
                     Path(args.verdicts) if args.verdicts else None)  # fmt: skip
     print(render(report))
     return 0
@@ -128,7 +142,7 @@ def _join(args: argparse.Namespace) -> int:
         from msglab.errors import MsglabError
 
         raise MsglabError("msglab join needs the details your instructor handed out", hint="msglab join nats://...")
-    print(join(args.details, check=not args.no_check))
+    print(join(args.details, check=not args.no_check, ca_file=args.ca))
     return 0
 
 
@@ -174,6 +188,8 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--advertise", help="the address learners' laptops reach this machine at (required; "
                        "serve lists this machine's addresses without it)")  # fmt: skip
     serve.add_argument("--local", action="store_true", help="a room on this machine only (handouts say 127.0.0.1)")
+    serve.add_argument("--tls", action="store_true", help="TLS required of every connection: the room makes its "
+                       "own CA (needs msglab[classroom]) and hands out its certificate")  # fmt: skip
     serve.add_argument("--max-connections", type=int, default=32, help="connections per learner (default 32)")
     serve.add_argument("--monitor-host", default="127.0.0.1", help="monitoring address (default: this machine only)")
     serve.add_argument("--monitor-port", type=int, default=8222, help="monitoring port (default 8222; 0: any)")
@@ -203,4 +219,5 @@ def register(subparsers: Any) -> None:
     join.add_argument("details", nargs="?", help="the nats:// URL handed out, or the file holding it")
     join.add_argument("--leave", action="store_true", help="forget the classroom details")
     join.add_argument("--no-check", action="store_true", help="save the details without trying them")
+    join.add_argument("--ca", help="the room's CA certificate (ca.pem), when the details do not hold it")
     join.set_defaults(func=_join)

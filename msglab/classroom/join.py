@@ -5,6 +5,10 @@
 "url"). `join` connects, makes sure JetStream answers on that account, and saves the URL in the
 course's state folder (`.msglab/classroom.json`, or MSGLAB_STATE_DIR; mode 0600).
 
+A TLS room's handout (`tls://...`) also holds the room's CA certificate (or `--ca FILE` names it):
+`join` checks the server against it (never with verification off) and keeps it beside the URL
+(`room-ca.pem`), so every connection the course opens to that server checks it too.
+
 From then on `msglab.server_url()` (what lessons and lab notebooks connect to) uses it whenever
 NATS_URL is not set; NATS_URL still wins. `msglab check` grades on a fresh server of its own as
 always (set NATS_URL to grade on the room's server instead: names are then prefixed with a run id
@@ -25,6 +29,7 @@ from urllib.parse import urlsplit
 from msglab.errors import MsglabError
 
 FILE = "classroom.json"
+CA_FILE = "room-ca.pem"
 _URL = re.compile(r"\b(?:nats|tls)://\S+")
 
 
@@ -45,8 +50,20 @@ def joined_url() -> str | None:
     return url if isinstance(url, str) and url else None
 
 
-def parse_details(details: str) -> str:
-    """The URL in what the instructor handed out: the URL itself, or a file that holds it."""
+def joined_ca() -> str | None:
+    """The room's CA certificate `msglab join` saved (PEM), or None."""
+    try:
+        data = json.loads(state_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ca = data.get("ca") if isinstance(data, dict) else None
+    return ca if isinstance(ca, str) and ca else None
+
+
+def parse_handout(details: str) -> tuple[str, str | None]:
+    """The URL in what the instructor handed out, and the room's CA certificate when the file holds one."""
+    from msglab.broker import certificates_in
+
     text = details.strip()
     path = Path(text).expanduser()
     if not _URL.fullmatch(text) and path.is_file():
@@ -54,13 +71,22 @@ def parse_details(details: str) -> str:
         try:
             data = json.loads(content)
             if isinstance(data, dict) and isinstance(data.get("url"), str):
-                return str(data["url"])
+                return parse_details(data["url"]), certificates_in(str(data.get("ca") or "")) or None
         except ValueError:
             pass
         match = _URL.search(content)
         if not match:
             raise MsglabError(f"{path} holds no nats:// URL", hint="ask your instructor for your classroom details")
-        return match.group(0)
+        return parse_details(match.group(0)), certificates_in(content) or None
+    return parse_details(text), None
+
+
+def parse_details(details: str) -> str:
+    """The URL in what the instructor handed out: the URL itself, or a file that holds it."""
+    text = details.strip()
+    path = Path(text).expanduser()
+    if not _URL.fullmatch(text) and path.is_file():
+        return parse_handout(text)[0]
     if not _URL.fullmatch(text):
         raise MsglabError(f"{details!r} is neither a nats:// URL nor a file",
                           hint="msglab join nats://NAME:PASSWORD@HOST:4222 (as handed out)")  # fmt: skip
@@ -70,10 +96,12 @@ def parse_details(details: str) -> str:
     return text
 
 
-async def _try(url: str) -> dict[str, Any]:
+async def _try(url: str, ca: str | None) -> dict[str, Any]:
+    import ssl
+
     import nats
 
-    from msglab.broker import probe
+    from msglab.broker import probe, tls_context
 
     probe(url)  # nothing listening: ServerUnreachable, said plainly
     errors: list[Exception] = []
@@ -81,13 +109,25 @@ async def _try(url: str) -> dict[str, Any]:
     async def quiet(exc: Exception) -> None:  # nats-py would print a traceback for each
         errors.append(exc)
 
+    # With the room's CA: only that CA's certificates pass. Without: the system's CAs (never no check).
+    tls = {"tls": tls_context(ca)} if ca else {}
     try:
         nc = await asyncio.wait_for(nats.connect(url, name="msglab-join", allow_reconnect=False, connect_timeout=3,
-                                                 error_cb=quiet), 8)  # fmt: skip
+                                                 error_cb=quiet, **tls), 8)  # fmt: skip
     except Exception as exc:
-        said = str(errors[0] if errors else exc).strip() or type(exc).__name__
+        first = errors[0] if errors else exc
+        where = url.split("@")[-1]
+        if isinstance(first, ssl.SSLCertVerificationError) or isinstance(exc, ssl.SSLCertVerificationError):
+            said = first.verify_message if isinstance(first, ssl.SSLCertVerificationError) else str(exc)
+            raise MsglabError(
+                f"the classroom server at {where} speaks TLS, and its certificate does not check out against "
+                f"{'the certificate in your handout' if ca else 'any CA this machine trusts'} ({said})",
+                hint="join with the whole file your instructor handed out (it holds the room's certificate), "
+                "or add --ca with the room's ca.pem",
+            ) from exc
+        said = str(first).strip() or type(first).__name__
         hint = "copy the whole URL your instructor handed out, or ask for it again"
-        raise MsglabError(f"the classroom server at {url.split('@')[-1]} refused these details: {said}", hint) from exc
+        raise MsglabError(f"the classroom server at {where} refused these details: {said}", hint) from exc
     try:
         info = await nc.jetstream().account_info()
         version = nc.connected_server_version
@@ -96,13 +136,27 @@ async def _try(url: str) -> dict[str, Any]:
         await nc.close()
 
 
-def join(details: str, *, check: bool = True) -> str:
-    """Save the classroom details (after trying them when `check`); return what to tell the learner."""
-    url = parse_details(details)
+def join(details: str, *, check: bool = True, ca_file: str | None = None) -> str:
+    """Save the classroom details (after trying them when `check`); return what to tell the learner.
+
+    `ca_file`: the room's CA certificate, when the details themselves do not hold it.
+    """
+    from msglab.broker import certificates_in, tls_context
+
+    url, ca = parse_handout(details)
+    if ca_file:
+        try:
+            ca = certificates_in(Path(ca_file).expanduser().read_text(encoding="ascii", errors="replace"))
+        except OSError as exc:
+            raise MsglabError(f"--ca {ca_file} cannot be read: {exc.strerror or exc}") from exc
+        if not ca:
+            raise MsglabError(f"--ca {ca_file} holds no PEM certificate", hint="give the room's ca.pem")
+    if ca:
+        tls_context(ca)  # a damaged certificate is said now, not at the first lesson
     told = ""
     if check:
         try:
-            seen = asyncio.run(_try(url))
+            seen = asyncio.run(_try(url, ca))
         except MsglabError:
             raise
         except Exception as exc:  # no JetStream on that account: nats' own errors
@@ -113,15 +167,25 @@ def join(details: str, *, check: bool = True) -> str:
                 f"(limits: {limits.max_storage >> 20} MiB storage, {limits.max_streams} streams)")  # fmt: skip
     path = state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
+    saved: dict[str, str] = {"url": url, "joined": datetime.now().isoformat(timespec="seconds")}
+    if ca:
+        saved["ca"] = ca
+        # The same certificate as a file: what NATS_CA (and the nats CLI's --tlsca) can name.
+        (path.parent / CA_FILE).write_text(ca + "\n", encoding="ascii")
+    else:
+        (path.parent / CA_FILE).unlink(missing_ok=True)  # an earlier room's
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump({"url": url, "joined": datetime.now().isoformat(timespec="seconds")}, handle)
+        json.dump(saved, handle)
     user = urlsplit(url).username
     return "\n".join(
         line
         for line in (
             f"joined the classroom server at {url.split('@')[-1]} as {user}",
             f"  {told}" if told else "",
+            f"  TLS: the server is checked against the room's certificate, kept in {path.parent / CA_FILE}"
+            if ca
+            else "",
             "  lessons and lab notebooks now use your account (NATS_URL, when set, still wins);",
             "  `msglab join --leave` undoes this",
         )
@@ -134,4 +198,5 @@ def leave() -> str:
     if not path.exists():
         return "not joined to any classroom server"
     path.unlink()
+    (path.parent / CA_FILE).unlink(missing_ok=True)
     return "left the classroom server: lessons use the built-in server again"

@@ -25,10 +25,20 @@ The address handed out is one learners' laptops can reach: `--advertise` (an add
 machine on the room's network: `serve` lists them when it is missing), never a loopback address or
 a name that does not resolve, unless `--local` (a room on this one machine).
 
+With `tls` (`serve --tls`) every client connection must be TLS (the config's `tls {}` block,
+no `allow_non_tls`): nats-server announces `tls_required` before any credentials are sent, nats-py
+then upgrades the connection first, and a client that sends its CONNECT in clear is cut off. The
+room makes its own CA (tls/ca.pem, kept across restarts so handouts stay valid; its key 0600) and,
+at every start, a server certificate for the advertised address and this machine's loopback (the
+instructor's tools). Handouts carry `tls://` URLs and the CA's certificate, so `msglab join
+learners/<name>.txt` is one step. Certificates are made with the `cryptography` package, an
+optional extra (`pip install 'msglab[classroom]'`) only the instructor's machine needs: learners'
+machines check them with Python's own ssl module.
+
 The folder (default ./classroom, mode 0700) keeps everything: classroom.json (passwords, limits,
 where the server listens), server.conf, learners/<name>.txt and handout.csv (what to hand out),
-store/ (the streams, kept across restarts). Serving the same folder again keeps every learner's
-password, so details handed out stay valid.
+store/ (the streams, kept across restarts), tls/ with --tls. Serving the same folder again keeps
+every learner's password, so details handed out stay valid.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import shutil
 import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -173,6 +184,7 @@ class Classroom:
     monitor_port: int = 8222  # 0: any free port
     bound_port: int = 0  # the port the running server listens on (set once started)
     bound_monitor_port: int = 0
+    tls: bool = False  # every client connection TLS, checked against the room's own CA
 
     # --- the folder ---------------------------------------------------------------------------------
 
@@ -225,7 +237,33 @@ class Classroom:
             # Room for every account's limits at once (nats-server refuses limits it could not honour).
             "jetstream": {"max_mem": count * self.limits.max_mem, "max_file": count * self.limits.max_file},
             "http": f"{self.monitor_host}:{self.monitor_port or -1}",
-        }
+        } | ({"tls": self.tls_block()} if self.tls else {})
+
+    # --- TLS ----------------------------------------------------------------------------------------
+
+    @property
+    def ca_file(self) -> Path:
+        """The room's CA certificate (public: handed out to every learner)."""
+        return self.folder / "tls" / "ca.pem"
+
+    def ca_pem(self) -> str:
+        return self.ca_file.read_text(encoding="ascii")
+
+    def tls_block(self) -> dict[str, Any]:
+        folder = self.folder / "tls"
+        # No allow_non_tls: TLS is required of every client. timeout: a handshake on a busy laptop
+        # can take longer than nats-server's default.
+        return {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"), "timeout": 5}
+
+    def tls_names(self) -> list[str]:
+        """The names the server certificate holds: the advertised address and this machine's loopback."""
+        return list(dict.fromkeys([self.public_host, "127.0.0.1", "localhost"]))
+
+    def tls_options(self) -> dict[str, Any]:
+        """nats.connect options that check this room's server against its CA ({} without TLS)."""
+        from msglab.broker import tls_context
+
+        return {"tls": tls_context(self.ca_pem())} if self.tls else {}
 
     # --- addresses ----------------------------------------------------------------------------------
 
@@ -238,15 +276,20 @@ class Classroom:
     def _port(self) -> int:
         return self.bound_port or self.port
 
+    @property
+    def scheme(self) -> str:
+        return "tls" if self.tls else "nats"
+
     def learner_url(self, name: str) -> str:
         """What learner `name` gets: a URL with their credentials, at the address the room uses."""
-        return with_credentials(f"nats://{_bracket(self.public_host)}:{self._port()}", name, self.learners[name])
+        url = f"{self.scheme}://{_bracket(self.public_host)}:{self._port()}"
+        return with_credentials(url, name, self.learners[name])
 
     def local_url(self, user: str) -> str:
         """A URL for `user` from this machine (the instructor's tools)."""
         password = self.instructor_password if user == INSTRUCTOR else self.learners[user]
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return with_credentials(f"nats://{_bracket(host)}:{self._port()}", user, password)
+        return with_credentials(f"{self.scheme}://{_bracket(host)}:{self._port()}", user, password)
 
     @property
     def monitor_url(self) -> str:
@@ -261,14 +304,27 @@ class Classroom:
         rows = ["learner,url,command"]
         for name in self.learners:
             url = self.learner_url(name)
-            _write_private(
-                folder / f"{name}.txt",
-                f"msglab classroom account: {name}\n\n"
-                f"In the course folder, run:\n\n    msglab join {url}\n\n"
-                f"(or set NATS_URL={url} in the shell that runs the course)\n"
-                "Lessons, lab notebooks and `msglab check` then work on your own account of the room's server.\n",
-            )
-            rows.append(f"{name},{url},msglab join {url}")
+            if self.tls:
+                # The CA travels inside the handout: `msglab join <this file>` takes both in one step.
+                text = (
+                    f"msglab classroom account: {name}\n\n"
+                    f"Save this file in the course folder and run:\n\n    msglab join {name}.txt\n\n"
+                    "The room's server speaks TLS only: the file holds your URL and the room's certificate\n"
+                    "(below), which `msglab join` keeps, so your password only ever travels encrypted to the\n"
+                    "room's own server. In a shell instead: NATS_URL=<the URL> and NATS_CA=<this file>.\n\n"
+                    f"URL: {url}\n\n{self.ca_pem()}"
+                )
+                command = f"msglab join {name}.txt"
+            else:
+                text = (
+                    f"msglab classroom account: {name}\n\n"
+                    f"In the course folder, run:\n\n    msglab join {url}\n\n"
+                    f"(or set NATS_URL={url} in the shell that runs the course)\n"
+                )
+                command = f"msglab join {url}"
+            text += "Lessons, lab notebooks and `msglab check` then work on your own account of the room's server.\n"
+            _write_private(folder / f"{name}.txt", text)
+            rows.append(f"{name},{url},{command}")
         _write_private(self.folder / "handout.csv", "\n".join(rows) + "\n")
         return self.folder / "handout.csv"
 
@@ -284,11 +340,84 @@ def _write_private(path: Path, text: str) -> None:
     path.chmod(0o600)
 
 
+def make_certificates(folder: Path, names: list[str]) -> None:
+    """The room's CA in `folder` (made once, kept while valid for 30 more days) and a server certificate for `names`.
+
+    ECDSA P-256 throughout (quick to make, read by Go's TLS and Python's ssl); the keys are 0600.
+    """
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as exc:
+        raise ClassroomError(
+            "--tls makes the room's certificates with the cryptography package, which is not installed",
+            hint="pip install 'msglab[classroom]' on this machine (learners need nothing more)",
+        ) from exc
+
+    now = datetime.now(UTC)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    ca_file, ca_key_file = folder / "ca.pem", folder / "ca-key.pem"
+    ca_cert: Any = None
+    ca_key: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        kept = x509.load_pem_x509_certificate(ca_file.read_bytes())
+        ca_key = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
+        if kept.not_valid_after_utc >= now + timedelta(days=30):
+            ca_cert = kept
+    if ca_cert is None:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"msglab classroom CA {secrets.token_hex(4)}")])
+        ca_cert = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(days=1)).not_valid_after(now + timedelta(days=730))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )  # fmt: skip
+        _write_private(ca_key_file, _key_pem(ca_key, serialization))
+        ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+        ca_file.chmod(0o644)  # public: it goes into every handout
+    sans: list[x509.GeneralName] = []
+    for host in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]").split("%")[0])))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(min(now + timedelta(days=365), ca_cert.not_valid_after_utc))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    _write_private(folder / "server-key.pem", _key_pem(key, serialization))
+    _write_private(folder / "server.pem", cert.public_bytes(serialization.Encoding.PEM).decode("ascii"))
+
+
+def _key_pem(key: Any, serialization: Any) -> str:
+    return str(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption()).decode("ascii"))  # fmt: skip
+
+
 def start(classroom: Classroom) -> Any:
     """Start the room's nats-server (an EmbeddedServer); the classroom learns its ports. Stop it with .stop()."""
     from msglab.broker.server import EmbeddedServer
 
     classroom.save()
+    if classroom.tls:  # the server certificate names the address of this start
+        make_certificates(classroom.folder / "tls", classroom.tls_names())
     store = classroom.folder / "store"
     store.mkdir(mode=0o700, exist_ok=True)
     total = classroom.limits.max_file * len(classroom.learners)
