@@ -24,10 +24,22 @@ if TYPE_CHECKING:
 WATCH_POLL = 0.3  # seconds between looks at the watched file: a stat, cheap enough to feel instant
 
 
+SEED_VARIABLE = "MSGLAB_CHECK_SEED"  # `--seed`, handed over off the command line (`_seed_off_argv`)
+
+
 def _check(args: argparse.Namespace) -> int:
     from msglab.grading.grade import grade
 
-    verdict = grade(args.lab, solution=args.solution, seed=args.seed)
+    seed = args.seed
+    handed = os.environ.pop(SEED_VARIABLE, "")
+    if seed is None and handed:
+        try:
+            seed = int(handed)
+        except ValueError:
+            raise MsglabError(
+                f"{SEED_VARIABLE}={handed!r} is no seed", hint="a seed is a whole number, e.g. 4242"
+            ) from None
+    verdict = grade(args.lab, solution=args.solution, seed=seed)
     if not args.solution and args.attempt:
         _record(verdict)
     print(verdict.to_json() if args.json else verdict.to_text())
@@ -243,12 +255,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seed_off_argv(argv: list[str], args: argparse.Namespace) -> None:
+    """`msglab check NN --seed S` starts over without the seed on its command line, which every user of
+    the machine can read (/proc/<pid>/cmdline), learner code included: the seed comes in the environment,
+    which only the grader's own user reads. This happens before any learner process exists."""
+    if args.command != "check" or args.seed is None:
+        return
+    rest: list[str] = []
+    skip = False
+    for word in argv:
+        option = word.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif len(option) > 3 and "--seed".startswith(option):  # --seed S, --seed=S, or argparse's --se S
+            skip = "=" not in word
+        else:
+            rest.append(word)
+    # The interpreter's part of the command line as it was typed (`python -m msglab`, the `msglab` script),
+    # so the new process finds its modules exactly where this one did (never the working directory instead).
+    whole = sys.orig_argv
+    start = whole[: len(whole) - len(argv)]
+    again = build_parser().parse_args(rest)
+    if whole[len(start) :] != argv or not start or {**vars(again), "seed": args.seed} != vars(args):
+        return  # not a command line we can rebuild; grade it as typed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *start[1:], *rest], {**os.environ, SEED_VARIABLE: str(args.seed)})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 pass, 1 fail, 2 usage or environment error)."""
+    typed = argv is None  # this process's own command line: a seed on it is moved off (`_seed_off_argv`)
     argv = sys.argv[1:] if argv is None else argv
     try:
         try:
             args = build_parser().parse_args(argv)
+            if typed:
+                _seed_off_argv(argv, args)
             code = int(args.func(args))
         except SystemExit as exc:  # --help
             return int(exc.code or 0)

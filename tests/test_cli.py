@@ -349,3 +349,29 @@ def test_a_grader_error_exits_2_and_says_it_is_the_courses_fault(
     as_json = json.loads(run_cli("check", "01", "--json").stdout)
     assert "course's fault" in as_json["hint"]
     assert not state_dir.exists(), "a grader error is no attempt"
+
+
+@pytest.mark.parametrize(
+    "typed",
+    [
+        ["check", "01", "--seed", "42"],
+        ["check", "--seed=42", "01", "--json"],
+        ["check", "01", "--se", "42", "--solution"],
+    ],
+)
+def test_a_seed_typed_on_the_command_line_is_handed_on_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch, typed: list[str]
+) -> None:
+    # Every user reads a process's command line (/proc/<pid>/cmdline), learner code included: `msglab check`
+    # starts over without the seed (tests/test_hostile_grader.py shows no learner process sees it).
+    from msglab import cli
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append((list(argv), dict(env))))
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "-m", "msglab", *typed])  # as typed: the same interpreter part
+    cli._seed_off_argv(typed, cli.build_parser().parse_args(typed))
+    [(argv, env)] = started
+    assert argv[:3] == [sys.executable, "-m", "msglab"] and "42" not in argv and env[cli.SEED_VARIABLE] == "42"
+    assert argv[3:] == [word for word in typed if word not in ("--seed", "--seed=42", "--se", "42")]
+    cli._seed_off_argv(["check", "01"], cli.build_parser().parse_args(["check", "01"]))
+    assert len(started) == 1, "no seed, nothing to hide"
