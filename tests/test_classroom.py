@@ -562,15 +562,21 @@ def test_in_a_tls_room_a_password_never_crosses_the_network_in_clear(tls_room: C
     """Every byte clients send passes a relay that keeps them; the server refuses a CONNECT sent in clear."""
     password = tls_room.learners["alice"].encode()
     sent = bytearray()
+    first_bytes: list[bytes] = []  # what each client said before the server said anything
 
     async def scenario() -> tuple[str, str, bytes, bytes]:
         async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", tls_room.bound_port)
+            answered = asyncio.Event()
 
             async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, keep: bool) -> None:
                 while data := await src.read(65536):
                     if keep:
+                        if not answered.is_set():
+                            first_bytes.append(data)
                         sent.extend(data)
+                    else:
+                        answered.set()
                     dst.write(data)
                     await dst.drain()
                 dst.close()
@@ -596,13 +602,15 @@ def test_in_a_tls_room_a_password_never_crosses_the_network_in_clear(tls_room: C
     with_ca, without_ca, info, answer = asyncio.run(scenario())
     assert with_ca == "" and "CERTIFICATE_VERIFY_FAILED" in without_ca, (with_ca, without_ca)
     assert len(sent) > 500, "the relay carried both clients' traffic"
+    # The course's client starts with the TLS handshake (a record of type 22), before the server's INFO.
+    assert first_bytes and first_bytes[0][:1] == b"\x16", first_bytes[:1]
     assert password not in sent and b"CONNECT" not in sent, "only TLS records went to the server"
     assert json.loads(info.split(b" ", 1)[1])["tls_required"] is True
     assert b"+OK" not in answer and b"PONG" not in answer, answer
 
 
 def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
-    tls_room: Classroom, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tls_room: Classroom, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from msglab.broker import connect, server_info
     from msglab.classroom.join import joined_ca, joined_url
@@ -630,6 +638,7 @@ def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
     assert joined_url() == tls_room.learner_url("alice") and joined_ca() == tls_room.ca_pem().strip()
     assert server_info().url == tls_room.learner_url("alice")
     assert asyncio.run(streams()) == 0  # what a lesson's msglab.connect() does: checked against the room's CA
+    assert not [r for r in caplog.records if "ssl" in r.getMessage()], "a lesson's output stays clean"
     # NATS_URL (a shell, `msglab check` on the room) with NATS_CA: a file, or the PEM itself.
     monkeypatch.setenv("MSGLAB_STATE_DIR", str(tmp_path / "nobody"))
     monkeypatch.setenv("NATS_URL", tls_room.local_url("bob"))

@@ -15,6 +15,7 @@ nats.connect options that do it; `connect` uses them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import socket
@@ -28,6 +29,11 @@ from msglab.broker.server import EmbeddedServer
 from msglab.errors import MsglabError, ServerUnreachable
 
 CA_VARIABLE = "NATS_CA"
+# A msglab TLS room answers a TLS handshake at once (nats-server's handshake_first, falling back to
+# INFO after 300 ms for clients that wait for it). A client that starts with the handshake sends
+# nothing in clear, and nobody on the path can strip the server's tls_required from its INFO: nats-py
+# upgrades only because INFO asks it to, whatever the URL's scheme.
+HANDSHAKE_FIRST = {"tls_handshake_first": True}
 _PEM = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----")
 _shared: EmbeddedServer | None = None
 
@@ -124,8 +130,19 @@ def _server_of(url: str) -> tuple[str, int]:
     return (parsed.hostname or "").lower(), parsed.port or 4222
 
 
+class _QuietTLSClose(logging.Filter):
+    """asyncio warns at every TLS connection nats-py closes (its stream protocol asks to keep the socket half open,
+    which TLS cannot): harmless, and a lesson's output would show it after each cell."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
 def tls_context(pem: str) -> ssl.SSLContext:
     """An SSL context that trusts only the CA in `pem`, hostname and chain checked."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _QuietTLSClose) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_QuietTLSClose())
     try:
         return ssl.create_default_context(cadata=pem)
     except ssl.SSLError as exc:
@@ -134,12 +151,18 @@ def tls_context(pem: str) -> ssl.SSLContext:
 
 
 def tls_options(url: str | None = None) -> dict[str, Any]:
-    """nats.connect options that check `url`'s server against the room's CA: {"tls": context}, or {}.
+    """nats.connect options that check `url`'s server against the room's CA: {"tls": context, ...}, or {}.
 
     A connection that does not end up TLS ignores them; without them nats-py checks against the system's CAs.
     """
     pem = trusted_ca(url)
-    return {"tls": tls_context(pem)} if pem else {}
+    if not pem:
+        return {}
+    options: dict[str, Any] = {"tls": tls_context(pem)}
+    joined = _joined_url()
+    if url and joined and url.strip().startswith("tls://") and _server_of(url) == _server_of(joined):
+        options |= HANDSHAKE_FIRST  # the joined room is a msglab room
+    return options
 
 
 async def connect(url: str | None = None, *, name: str = "msglab", **options: Any) -> Any:

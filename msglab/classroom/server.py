@@ -251,9 +251,11 @@ class Classroom:
 
     def tls_block(self) -> dict[str, Any]:
         folder = self.folder / "tls"
-        # No allow_non_tls: TLS is required of every client. timeout: a handshake on a busy laptop
-        # can take longer than nats-server's default.
-        return {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"), "timeout": 5}
+        # No allow_non_tls: TLS is required of every client. handshake_first: a client may start with
+        # the TLS handshake (the course's do: msglab.broker.HANDSHAKE_FIRST), others get INFO after 300 ms.
+        # timeout: a handshake on a busy laptop can take longer than nats-server's default.
+        return {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"),
+                "handshake_first": "300ms", "timeout": 5}  # fmt: skip
 
     def tls_names(self) -> list[str]:
         """The names the server certificate holds: the advertised address and this machine's loopback."""
@@ -261,9 +263,9 @@ class Classroom:
 
     def tls_options(self) -> dict[str, Any]:
         """nats.connect options that check this room's server against its CA ({} without TLS)."""
-        from msglab.broker import tls_context
+        from msglab.broker import HANDSHAKE_FIRST, tls_context
 
-        return {"tls": tls_context(self.ca_pem())} if self.tls else {}
+        return {"tls": tls_context(self.ca_pem()), **HANDSHAKE_FIRST} if self.tls else {}
 
     # --- addresses ----------------------------------------------------------------------------------
 
