@@ -34,6 +34,7 @@ CA_VARIABLE = "NATS_CA"
 # nothing in clear, and nobody on the path can strip the server's tls_required from its INFO: nats-py
 # upgrades only because INFO asks it to, whatever the URL's scheme.
 HANDSHAKE_FIRST = {"tls_handshake_first": True}
+ROOM_CA_NAME = "msglab classroom CA"  # the common name's start of every room's CA: that server is a msglab room
 _PEM = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----")
 _shared: EmbeddedServer | None = None
 
@@ -150,19 +151,20 @@ def tls_context(pem: str) -> ssl.SSLContext:
                           hint="ask your instructor for the handout again") from exc  # fmt: skip
 
 
-def tls_options(url: str | None = None) -> dict[str, Any]:
-    """nats.connect options that check `url`'s server against the room's CA: {"tls": context, ...}, or {}.
+def tls_options(url: str | None = None, ca: str | None = None) -> dict[str, Any]:
+    """nats.connect options that check `url`'s server against `ca` (PEM; default: trusted_ca), or {}.
 
     A connection that does not end up TLS ignores them; without them nats-py checks against the system's CAs.
     """
-    pem = trusted_ca(url)
+    pem = ca or trusted_ca(url)
     if not pem:
         return {}
-    options: dict[str, Any] = {"tls": tls_context(pem)}
-    joined = _joined_url()
-    if url and joined and url.strip().startswith("tls://") and _server_of(url) == _server_of(joined):
-        options |= HANDSHAKE_FIRST  # the joined room is a msglab room
-    return options
+    context = tls_context(pem)
+    subjects: list[Any] = [cert.get("subject", ()) for cert in context.get_ca_certs()]
+    names = [str(value) for subject in subjects for rdn in subject for key, value in rdn if key == "commonName"]
+    if any(name.startswith(ROOM_CA_NAME) for name in names) and (url or "").strip().startswith("tls://"):
+        return {"tls": context, **HANDSHAKE_FIRST}  # a room msglab serves
+    return {"tls": context}
 
 
 async def connect(url: str | None = None, *, name: str = "msglab", **options: Any) -> Any:

@@ -101,7 +101,7 @@ async def _try(url: str, ca: str | None) -> dict[str, Any]:
 
     import nats
 
-    from msglab.broker import HANDSHAKE_FIRST, probe, tls_context
+    from msglab.broker import probe, tls_options
 
     probe(url)  # nothing listening: ServerUnreachable, said plainly
     errors: list[Exception] = []
@@ -109,11 +109,8 @@ async def _try(url: str, ca: str | None) -> dict[str, Any]:
     async def quiet(exc: Exception) -> None:  # nats-py would print a traceback for each
         errors.append(exc)
 
-    # With the room's CA: only that CA's certificates pass (a msglab room: handshake first). Without: the
-    # system's CAs (never no check).
-    tls: dict[str, Any] = {"tls": tls_context(ca)} if ca else {}
-    if ca and url.startswith("tls://"):
-        tls |= HANDSHAKE_FIRST
+    # With the room's CA: only that CA's certificates pass. Without: the system's CAs (never no check).
+    tls = tls_options(url, ca) if ca else {}
     try:
         nc = await asyncio.wait_for(nats.connect(url, name="msglab-join", allow_reconnect=False, connect_timeout=3,
                                                  error_cb=quiet, **tls), 8)  # fmt: skip

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from msglab.broker import ROOM_CA_NAME
 from msglab.broker.users import with_credentials
 from msglab.errors import MsglabError
 
@@ -252,7 +253,7 @@ class Classroom:
     def tls_block(self) -> dict[str, Any]:
         folder = self.folder / "tls"
         # No allow_non_tls: TLS is required of every client. handshake_first: a client may start with
-        # the TLS handshake (the course's do: msglab.broker.HANDSHAKE_FIRST), others get INFO after 300 ms.
+        # the TLS handshake (the course's do, msglab.broker.tls_options), others get INFO after 300 ms.
         # timeout: a handshake on a busy laptop can take longer than nats-server's default.
         return {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"),
                 "handshake_first": "300ms", "timeout": 5}  # fmt: skip
@@ -263,9 +264,9 @@ class Classroom:
 
     def tls_options(self) -> dict[str, Any]:
         """nats.connect options that check this room's server against its CA ({} without TLS)."""
-        from msglab.broker import HANDSHAKE_FIRST, tls_context
+        from msglab.broker import tls_options
 
-        return {"tls": tls_context(self.ca_pem()), **HANDSHAKE_FIRST} if self.tls else {}
+        return tls_options(self.local_url(INSTRUCTOR), self.ca_pem()) if self.tls else {}
 
     # --- addresses ----------------------------------------------------------------------------------
 
@@ -370,7 +371,7 @@ def make_certificates(folder: Path, names: list[str]) -> None:
             ca_cert = kept
     if ca_cert is None:
         ca_key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"msglab classroom CA {secrets.token_hex(4)}")])
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{ROOM_CA_NAME} {secrets.token_hex(4)}")])
         ca_cert = (
             x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
             .serial_number(x509.random_serial_number())
