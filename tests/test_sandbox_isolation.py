@@ -20,6 +20,7 @@ from attacks import PRELUDE, mark_folder
 
 from msglab.catalog import Lab, all_labs
 from msglab.grading.grade import grade
+from msglab.grading.harness import RUN_PREFIX, runs_folder
 from msglab.grading.sandbox import LEARNER_ENV, NURSERY_ENV, Sandbox, learner_environment, nursery_environment
 from msglab.grading.verdict import Verdict
 from msglab.grading.zygote import Nursery
@@ -271,3 +272,83 @@ def test_what_a_run_writes_outside_its_folder_is_bounded_and_gone_after_the_verd
         # Nothing of the machine's /tmp is in sight (other runs' folders, the grader's files): only its own.
         others = [name for name in wrote["/tmp holds"] if not name.startswith(tag)]
         assert len(others) == 1 and others[0].startswith("msglab-run-"), others
+
+
+FILL_THE_HOME = """
+def _fill(env):
+    import json, os
+    home, mb, stopped = os.environ["HOME"], 0, ""
+    try:
+        for i in range(100):  # 20 MB files, each under the file size limit, up to 2 GB in all
+            with open(os.path.join(home, f"fill-{i}"), "wb") as out:
+                for _ in range(20):
+                    out.write(b"x" * (1 << 20))
+                    out.flush()
+                    mb += 1
+            _report("filled " + json.dumps({"mb": mb, "mounted": os.path.ismount(home)}))
+    except OSError as exc:
+        stopped = exc.strerror
+    _report("filled " + json.dumps({"mb": mb, "mounted": os.path.ismount(home), "stopped by": stopped}))
+_hostile(_fill, once=True)
+"""
+
+
+def _filled(mark: Path) -> dict[str, Any]:
+    said = [json.loads(w[len("filled ") :]) for w in [(mark / n).read_text() for n in os.listdir(mark)]
+            if w.startswith("filled ")]  # fmt: skip
+    assert said, "the filler never ran"
+    return max(said, key=lambda word: (word["mb"], "stopped by" in word))
+
+
+def _run_mounts() -> list[str]:
+    mine = f"{RUN_PREFIX}{os.getpid()}-"  # this process's runs (other processes grade at the same time)
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if mine in line]
+
+
+@pytest.mark.skipif(not OWN_USER, reason="the grader mounts a run's bounded home only as root")
+def test_what_a_run_writes_into_its_home_is_bounded_in_all_and_gone_after_the_verdict(
+    no_nats_url: None, mark: Path
+) -> None:
+    verdict = graded(LABS["01"], FILL_THE_HOME, mark)
+    assert not verdict.passed  # the starter's own mistakes
+    filled = _filled(mark)
+    # Each file is under the file size limit: only the home's own bound stops the writer (ENOSPC).
+    assert filled["mounted"] and filled["mb"] <= 64 and filled["stopped by"] == "No space left on device", filled
+    assert not list(Path(runs_folder()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
+    assert _run_mounts() == [], "the run left its home mounted"
+
+
+def test_where_the_kernel_will_not_bound_the_home_the_zygote_stops_a_run_past_the_bound(
+    no_nats_url: None, mark: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from msglab.grading import harness
+
+    monkeypatch.setattr(harness, "bounded_home", lambda path, uid: False)  # as without CAP_SYS_ADMIN
+    verdict = graded(LABS["01"], FILL_THE_HOME, mark)
+    filled = _filled(mark)
+    text = verdict.to_text()
+    assert not verdict.passed and not filled["mounted"], text
+    assert "stopped by" not in filled, filled  # it never got an error: it was stopped while writing
+    # Reported every 20 MB: it was not stopped below the bound, nor left to write its 2 GB.
+    assert 60 <= filled["mb"] < 2000, filled
+    assert "file size limit (64 MB a file, 64 MB in its folder in all)" in text, text
+    assert not list(Path(runs_folder()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
+
+
+@pytest.mark.skipif(not OWN_USER, reason="the grader mounts a run's bounded home only as root")
+def test_a_killed_graders_bounded_home_is_unmounted_and_removed_by_the_next_run(tmp_path: Path) -> None:
+    import subprocess
+
+    from msglab.grading.harness import sweep_stale_runs
+    from msglab.grading.sandbox import bounded_home
+
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs, as a killed grader's
+    dead.wait()
+    folder = tmp_path / f"{RUN_PREFIX}{dead.pid}-left"
+    (folder / "home").mkdir(parents=True)
+    assert bounded_home(str(folder / "home"), 3_000_001)
+    (folder / "home" / "work.sqlite").write_bytes(b"x" * 4096)
+    assert os.path.ismount(folder / "home")  # the control: what a killed grader leaves
+    assert sweep_stale_runs(str(tmp_path)) == [str(folder)]
+    assert not folder.exists()
+    assert not [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(folder) in line]

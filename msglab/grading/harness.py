@@ -33,7 +33,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import stat
 import tempfile
@@ -62,7 +61,7 @@ from msglab.grading import nemesis, rules
 from msglab.grading.effects import EffectLog, Event, LearnerFileError, read_learner_file
 from msglab.grading.labkit import Names
 from msglab.grading.nemesis import Crash
-from msglab.grading.sandbox import Sandbox, limit_hit, protect_solutions
+from msglab.grading.sandbox import Sandbox, bounded_home, limit_hit, protect_solutions, remove_run_folder
 from msglab.grading.verdict import Check
 from msglab.grading.zygote import LearnerProcess, Zygote
 
@@ -334,6 +333,8 @@ class Run:
         try:
             self.home = os.path.join(self.tmp, "home")
             os.mkdir(self.home, 0o700)
+            if self.sandbox.uid is not None:  # what the run writes here is bounded in all (else the zygote watches)
+                bounded_home(self.home, self.sandbox.uid)
             self.sandbox.give(Path(self.home))
             if self.sandbox.uid is not None:
                 protect_solutions(course_root())
@@ -443,7 +444,7 @@ class Run:
         if self.server is not None:
             self.server.stop()  # at once when it is stopped already
         if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            remove_run_folder(self.tmp)
         if self._slot_lock is not None:
             with contextlib.suppress(OSError):
                 os.close(self._slot_lock)  # releases the slot's lock
@@ -468,7 +469,7 @@ class Run:
         if self.server is not None:
             self.server.stop()
         if remove and self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            remove_run_folder(self.tmp)
 
     def _copy_source(self, source: str) -> str:
         """Copy the graded file and its sibling modules into the run's folder; return the copy's path.
@@ -801,7 +802,7 @@ def sweep_stale_runs(tmp: str | None = None) -> list[str]:
     for folder in (found for place in where for found in place.glob(RUN_PREFIX + "*")):
         pid = folder.name[len(RUN_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_run_folder(str(folder))  # a killed grader's bounded home is still mounted there
             removed.append(str(folder))
     return removed
 

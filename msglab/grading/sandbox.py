@@ -19,6 +19,11 @@ process (no container engine, no user namespaces, which this course cannot count
   of its own with bounded tmpfs on /tmp, /var/tmp and /dev/shm (the run's folder bound back in), so
   what a run writes there is bounded in total and vanishes with it, System V IPC too; where the kernel
   refuses (no CAP_SYS_ADMIN), the end-of-run sweep removes every file and IPC object of the run's uid.
+- **A bounded home**: the run's home (the learner's HOME and TMPDIR, which the grader reads too) is a
+  tmpfs of FOLDER_MB mounted by the grader itself (`bounded_home`), so a write past the bound fails with
+  ENOSPC; it is unmounted with the run's folder (`remove_run_folder`, also for a killed grader's leftovers).
+  Where the kernel refuses, the run's zygote watches the folder (`written`) and stops every process of the
+  run once it holds more than FOLDER_MB or FOLDER_FILES entries (reported as the file size limit's signal).
 - **A tag** in every learner process's environment (MSGLAB_RUN_ID): without root there is no
   uid of its own, so the end-of-run sweep also kills every process that carries the run's tag.
   (A process that execs with a clean environment AND leaves its session escapes this sweep when
@@ -39,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -59,6 +65,9 @@ LIMITS = {  # per learner process
     "core dumps": (resource.RLIMIT_CORE, 0),
 }
 NPROC = 64  # processes of the sandbox user, only with a uid of its own
+FOLDER_MB = 64  # what a run's processes may write into its home, in all (a lab writes a small database)
+FOLDER_FILES = 10_000  # entries (files, folders, links) they may make there
+WATCH_INTERVAL = 0.05  # seconds between two looks at a home the kernel would not bound (the zygote's watch)
 UID_RANGE = (3_000_000, 3_999_999)  # no account uses these; a fresh one per run
 SIGNAL_LIMITS = {signal.SIGXCPU: "CPU time", signal.SIGXFSZ: "file size"}
 
@@ -245,11 +254,86 @@ def private_scratch(run_folder: str) -> bool:
             for path, fd in keep.items():
                 if path.startswith(folder + os.sep):
                     os.makedirs(path, mode=0o711, exist_ok=True)
-                    libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND, None)
+                    # Recursive: the run's bounded home is a mount of its own inside the run's folder.
+                    libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC, None)
         return True
     finally:
         for fd in keep.values():
             os.close(fd)
+
+
+MNT_DETACH = 2
+
+
+def bounded_home(path: str, uid: int) -> bool:
+    """Mount a tmpfs of FOLDER_MB (FOLDER_FILES entries) owned by `uid` on `path`, an empty folder: the run's
+    home, before anything is written there. Mounted by the grader in its own mount namespace, so the grader
+    and the run's processes (the zygote binds the run's folder back recursively) see the same files.
+
+    Returns False, changing nothing, where the kernel refuses (not root, no CAP_SYS_ADMIN): the run's
+    zygote then watches the folder instead (`written`).
+    """
+    if os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    options = f"size={FOLDER_MB}m,nr_inodes={FOLDER_FILES},mode=0700,uid={uid},gid={uid}".encode()
+    return libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0
+
+
+def mounts_under(folder: str) -> list[str]:
+    """Mount points inside `folder` (deepest last), from this process's mount table."""
+    prefix = os.path.realpath(folder) + os.sep
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    points = [_unescape(line.split()[4]) for line in lines if len(line.split()) > 4]
+    return sorted({point for point in points if point.startswith(prefix)}, key=len)
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, tab, newline or backslash in a path as an octal escape."""
+    return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), field)
+
+
+def remove_run_folder(folder: str) -> None:
+    """Remove a run's folder: unmount its bounded home (and anything else mounted inside) first."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        for point in reversed(mounts_under(folder)):
+            libc.umount2(point.encode(), MNT_DETACH)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def written(folder: str, uid: int | None = None, roots: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(bytes, entries) a run holds in its home `folder`, and in `roots` (shared scratch folders) what `uid`
+    owns there; the walk stops once it has counted more than FOLDER_FILES entries. Bytes are allocated
+    blocks, so a sparse file counts what it really takes."""
+    used = entries = 0
+    stack = [(folder, True)] + [(root, False) for root in roots if uid is not None]
+    while stack and entries <= FOLDER_FILES:
+        where, everything = stack.pop()
+        try:
+            found = list(os.scandir(where))
+        except OSError:
+            continue
+        for entry in found:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            mine = everything or info.st_uid == uid
+            if mine:
+                used += info.st_blocks * 512
+                entries += 1
+            if stat.S_ISDIR(info.st_mode) and (mine or info.st_mode & stat.S_IWOTH):
+                stack.append((entry.path, mine))
+    return used, entries
+
+
+def over_bound(used: int, entries: int) -> bool:
+    """A home past what a run may write (FOLDER_MB, FOLDER_FILES)."""
+    return used > FOLDER_MB * MB or entries > FOLDER_FILES
 
 
 # Where any user may create files outside its run folder (world-writable, or so on most systems).
@@ -374,6 +458,8 @@ def _amount(name: str) -> str:
     limit = LIMITS[name][1]
     if name == "CPU time":
         return f"{limit} s of CPU"
-    if name in ("address space", "file size"):
+    if name == "file size":
+        return f"{limit // MB} MB a file, {FOLDER_MB} MB in its folder in all"
+    if name == "address space":
         return f"{limit // MB} MB"
     return str(limit)

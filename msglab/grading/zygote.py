@@ -18,7 +18,9 @@ folder only, and cannot import the course's graders, services, demos or classroo
 (`sandbox.seal_course`).
 
 The zygote is the run's container: for a sandbox user it takes a private scratch at its first spawn
-(sandbox.private_scratch: its own bounded /tmp, /var/tmp, /dev/shm and System V IPC); it is a child
+(sandbox.private_scratch: its own bounded /tmp, /var/tmp, /dev/shm and System V IPC), and watches the
+run's home where the kernel would not bound it (sandbox.written: past FOLDER_MB every process of the run
+is stopped, reported as ended by SIGXFSZ); it is a child
 subreaper, so every process the learner's code starts, even one that double-forks into a session of
 its own, stays its descendant; when the grader shuts its side of the control socket (or dies), the
 zygote SIGKILLs every descendant, reports the CPU the run's processes spent, and exits. The nursery
@@ -51,16 +53,22 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
 from msglab.grading.sandbox import (
+    SCRATCH,
+    WATCH_INTERVAL,
     Sandbox,
     learner_environment,
     learner_path,
     nursery_environment,
+    over_bound,
     private_scratch,
     seal_course,
+    written,
 )
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -113,8 +121,18 @@ def _kill_all() -> None:
         _reap(None)
 
 
-def _reap(ctl: socket.socket | None, ours: set[int] | None = None) -> None:
-    """Collect every ended child; tell the grader about the ones it spawned."""
+def _stop_descendants() -> None:
+    """SIGKILL every descendant once; their ends are reported as they are reaped."""
+    for pid in _descendants():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _reap(ctl: socket.socket | None, ours: set[int] | None = None, over: Set[int] = frozenset()) -> None:
+    """Collect every ended child; tell the grader about the ones it spawned (those the watch stopped for
+    the folder's bound as ended by SIGXFSZ, the file size limit's own signal: limit_hit names it)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -125,6 +143,8 @@ def _reap(ctl: socket.socket | None, ours: set[int] | None = None) -> None:
         if ctl is not None and ours is not None and pid in ours:
             ours.discard(pid)
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            if pid in over:
+                code = -signal.SIGXFSZ
             with contextlib.suppress(OSError):
                 ctl.send(json.dumps({"exit": pid, "code": code}).encode())
 
@@ -199,12 +219,24 @@ def _zygote(ctl: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     ours: set[int] = set()
     scratch_done = False
+    # A home the kernel would not bound (sandbox.bounded_home refused): what the run writes there (and, with
+    # a user of its own but no private scratch, in the shared scratch folders) is looked at every
+    # WATCH_INTERVAL; past the bound every process of the run is stopped, and so is any started later.
+    watch: tuple[str, int | None, tuple[str, ...]] | None = None
+    over: set[int] = set()
+    next_look = 0.0
     try:
         while True:
-            ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
+            timeout = None if watch is None else max(0.0, next_look - time.monotonic())
+            ready, _, _ = select.select([ctl.fileno(), wake_r], [], [], timeout)
+            if watch is not None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + WATCH_INTERVAL
+                if over_bound(*written(*watch)):
+                    over |= ours
+                    _stop_descendants()
             if wake_r in ready:
                 os.read(wake_r, 4096)
-                _reap(ctl, ours)
+                _reap(ctl, ours, over)
             if ctl.fileno() not in ready:
                 continue
             try:
@@ -217,8 +249,12 @@ def _zygote(ctl: socket.socket) -> None:
             spec = request["spawn"]
             if not scratch_done:  # the run's folder is known from its first spawn
                 scratch_done = True
-                if isinstance(spec.get("uid"), int):  # a sandbox user (a lesson's workers write the notebook's files)
-                    private_scratch(_run_folder(spec))
+                uid = spec.get("uid") if isinstance(spec.get("uid"), int) else None
+                bounded = os.path.ismount(str(spec["cwd"]))  # the run's home, a bounded tmpfs (bounded_home)
+                # A sandbox user (a lesson's workers write the notebook's files) gets a private scratch.
+                private = uid is not None and private_scratch(_run_folder(spec))
+                if not bounded:
+                    watch = (str(spec["cwd"]), uid, () if private or uid is None else SCRATCH)
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -235,7 +271,7 @@ def _zygote(ctl: socket.socket) -> None:
                 return
     finally:
         _kill_all()
-        _reap(ctl, ours)
+        _reap(ctl, ours, over)
         with contextlib.suppress(OSError):
             ctl.send(json.dumps({"done": _cpu()}).encode())
 
