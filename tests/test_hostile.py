@@ -1,6 +1,6 @@
 """A grader that untrusted code cannot fool, hang or harm: every attacking or careless
-submission in tests/hostile/ fails (never passes), within the run's budget, leaves no process
-and no folder behind, and the next verdict is unaffected."""
+submission in tests/hostile/ fails (never passes), within the run's budget, leaves no process,
+no folder and no mount behind, and the next verdict is unaffected."""
 
 from __future__ import annotations
 
@@ -93,6 +93,8 @@ def test_hostile_submission_fails_in_time_and_leaves_nothing(
     outcomes = [w for w in said if w.startswith("outcome ")]
     assert all(w.startswith("outcome refused") for w in outcomes), outcomes
     assert not list(Path(runs_folder()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
+    mounts = Path("/proc/self/mountinfo").read_text() if Path("/proc/self/mountinfo").exists() else ""
+    assert f"{RUN_PREFIX}{os.getpid()}-" not in mounts, "the run left its bounded home mounted"
 
 
 @pytest.mark.parametrize("lab", LABS, ids=[lab.number for lab in LABS])

@@ -1,22 +1,47 @@
 """Tricks on the platform itself, each beside its control (the same wrong file without the trick):
-a wrong file that reconfigures the platform's durable, or floods and steers a course service, still
-fails for its own mistake, and the verdict stays a verdict (never the grader's error, exit 2)."""
+a wrong file that reconfigures the platform's durable, floods and steers a course service, or stores
+300 MB into the platform's stream still fails for its own mistake, and the verdict stays a verdict
+(never the grader's error, exit 2); what it stored is refused at the run's bound and gone afterwards."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import nats
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
 from attacks import PRELUDE, mark_folder
 
+from msglab.broker.server import STORE_PREFIX, EmbeddedServer
+from msglab.broker.users import RUN_JETSTREAM, SLOT_JETSTREAM, SLOTS, SharedUsers, slot_grader_url
 from msglab.catalog import Lab, all_labs
 from msglab.grading.grade import GRADE_TIMEOUT, grade
 from msglab.grading.verdict import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB04 = next(lab for lab in all_labs() if lab.number == "04")
+LAB01 = next(lab for lab in all_labs() if lab.number == "01")
+ACK_BEFORE_WORK = (ROOT / "tests/variants/01_request_reply_vs_events/ack_before_work.py").read_text()
+
+# 300 MB into the platform's stream (lab 01's ORDERS stores every orders.> subject), 256 KB a message.
+HOG_THE_STREAM = """
+async def _hog(env):
+    chunk, stored = b"x" * (256 << 10), 0
+    try:
+        while stored < (300 << 20):
+            await env.js.publish(env.subject("orders.hog"), chunk, timeout=2)
+            stored += len(chunk)
+        _report(f"outcome stored {stored >> 20} MB")
+    except Exception as exc:
+        _report(f"outcome refused after {stored / (1 << 20):.1f} MB: {exc}")
+_hostile(_hog, once=True)
+"""
 
 # Lab 04's wrong variant that retries at a fixed pace, made to nak with no delay at all: it burns
 # an email's budget at once, unless a backoff on the durable (the server applies it to a plain nak)
@@ -117,3 +142,59 @@ def test_flooding_and_steering_the_email_provider_leaves_a_failing_verdict_not_a
     # The starter's own mistakes still fail it (which of them shows can follow the machine's timing).
     assert set(_failed(control)) & set(_failed(verdict)), verdict.to_text()
     assert "finishes" not in _failed(verdict), verdict.to_text()
+
+
+@pytest.fixture(params=["own server", "shared server"])
+def where(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """A run's own server (no NATS_URL), or a slot of a shared server msglab started (NATS_URL: the admin's)."""
+    monkeypatch.delenv("NATS_URL", raising=False)
+    if request.param == "own server":
+        yield request.param, ""
+        return
+    users = SharedUsers()
+    folder = tempfile.mkdtemp(prefix="msglab-shared-hog-")
+    config = os.path.join(folder, "server.conf")
+    Path(config).write_text(users.config())
+    with EmbeddedServer(config=config) as server:
+        admin = users.admin_url(server.url)
+        monkeypatch.setenv("NATS_URL", admin)
+        yield request.param, admin
+    os.unlink(config)
+    os.rmdir(folder)
+
+
+async def _slots_storage(admin: str) -> list[tuple[int, int]]:
+    """(streams, bytes) every slot's account holds."""
+    held = []
+    for slot in range(1, SLOTS + 1):
+        nc = await nats.connect(slot_grader_url(admin, slot))
+        info = await nc.jetstream().account_info()
+        held.append((info.streams, info.storage))
+        await nc.close()
+    return held
+
+
+def test_storing_300_mb_into_the_platforms_stream_is_refused_at_the_bound_and_the_wrong_file_still_fails(
+    where: tuple[str, str],
+) -> None:
+    kind, admin = where
+    bound = RUN_JETSTREAM["max_file"] if kind == "own server" else SLOT_JETSTREAM["max_file"]
+    stores = {str(p) for p in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}{os.getpid()}-*")}
+    mark = mark_folder("msglab-platform-")
+    try:
+        control = _graded(LAB01, ACK_BEFORE_WORK, mark)
+        verdict = _graded(LAB01, ACK_BEFORE_WORK, mark, HOG_THE_STREAM)
+        outcomes = _outcomes(mark)
+    finally:
+        mark.rmdir()
+    assert not control.passed and "no_lost_emails" in _failed(control), control.to_text()
+    assert not verdict.passed and "no_lost_emails" in _failed(verdict), verdict.to_text()  # its own mistake
+    # Each of its processes hogs once: together they store at most the bound, then the server refuses.
+    assert outcomes and all(o.startswith("outcome refused after") for o in outcomes), outcomes
+    assert all("err_code=10002" in o for o in outcomes), outcomes  # resource limits exceeded for account
+    assert sum(float(o.split()[3]) for o in outcomes) <= bound >> 20, outcomes
+    # Nothing it stored outlives the verdict: the run's own server and its store are gone, or the slot is empty.
+    assert {str(p) for p in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}{os.getpid()}-*")} <= stores
+    if admin:
+        assert "enforced by its user" in verdict.server, verdict.server
+        assert asyncio.run(_slots_storage(admin)) == [(0, 0)] * SLOTS

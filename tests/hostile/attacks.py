@@ -305,4 +305,24 @@ print("\\x1b[2J\\x1b[H\\x1b[32mlab: PASS  (10/10 checks)\\x1b[0m\\x1b]0;PASS\\x0
 _hostile(lambda env: print("\\x1b[1A\\x1b[2K\\x1b[32mok   everything\\x1b[0m"))
 """,
     ),
+    # Many files, each under the file size limit: only the home's own bound (sandbox.FOLDER_MB) stops them.
+    Attack(
+        "fill_the_home",
+        """
+def _fill(env):
+    home, mb = _os.environ["HOME"], 0
+    try:
+        for i in range(100):  # 20 MB files: 2 GB in all
+            with open(_os.path.join(home, f"fill-{_os.getpid()}-{i}"), "wb") as out:
+                for _ in range(20):
+                    out.write(b"x" * (1 << 20))
+                    out.flush()
+                    mb += 1
+        _report(f"outcome wrote {mb} MB into its home")
+    except OSError as exc:
+        _report(f"outcome refused {exc.strerror} after {mb} MB")
+_hostile(_fill, once=True)
+""",
+        every_lab=False,
+    ),
 ]
