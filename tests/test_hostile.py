@@ -85,6 +85,8 @@ def test_hostile_submission_fails_in_time_and_leaves_nothing(
     assert not verdict.passed, text
     assert verdict.seconds < GRADE_TIMEOUT + CLEANUP_TIMEOUT, text
     assert "\x1b" not in text and "\x07" not in text
+    if attack.name == "blocking_sleep_at_import":  # the grader stopped it at its ready deadline, and says so
+        assert "(the grader stopped it)" in text and "not by the grader" not in text, text
     said = reports(mark)
     survivors = [int(w.split()[1]) for w in said if w.startswith("pid ") and alive(int(w.split()[1]))]
     for pid in survivors:

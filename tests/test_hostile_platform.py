@@ -29,6 +29,27 @@ LAB04 = next(lab for lab in all_labs() if lab.number == "04")
 LAB01 = next(lab for lab in all_labs() if lab.number == "01")
 ACK_BEFORE_WORK = (ROOT / "tests/variants/01_request_reply_vs_events/ack_before_work.py").read_text()
 
+# The grader's requests to the email provider and the provider's answers (the grader's inbox), overheard.
+OVERHEAR_THE_GRADER = """
+async def _overhear(env):
+    heard = []
+
+    async def _note(msg):
+        grader = msg.subject.startswith(("_INBOX.", "$SYS.")) or "provider." in msg.subject or "gateway." in msg.subject
+        if grader and len(heard) < 3:
+            heard.append(msg.subject)
+            _report(f"outcome heard {msg.subject}")
+
+    for subject in ("_INBOX.>", ">", env.subject("provider.>"), env.subject("gateway.>")):
+        try:
+            await env.nc.subscribe(subject, cb=_note)
+        except Exception as exc:
+            _report(f"outcome refused {subject} {type(exc).__name__}")
+    await env.nc.flush()
+    _report("outcome refused: listening")  # anything of the grader's it hears from here on is reported
+_hostile(_overhear, once=True)
+"""
+
 # 300 MB into the platform's stream (lab 01's ORDERS stores every orders.> subject), 256 KB a message.
 HOG_THE_STREAM = """
 async def _hog(env):
@@ -142,6 +163,30 @@ def test_flooding_and_steering_the_email_provider_leaves_a_failing_verdict_not_a
     # The starter's own mistakes still fail it (which of them shows can follow the machine's timing).
     assert set(_failed(control)) & set(_failed(verdict)), verdict.to_text()
     assert "finishes" not in _failed(verdict), verdict.to_text()
+
+
+def test_a_worker_overhearing_the_graders_requests_to_the_provider_hears_nothing_and_still_fails(
+    no_nats_url: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from msglab.broker.users import RunUsers
+
+    mark = mark_folder("msglab-platform-")
+    starter = LAB04.source().read_text()
+    try:
+        control = _graded(LAB04, starter, mark)
+        verdict = _graded(LAB04, starter, mark, OVERHEAR_THE_GRADER)
+        outcomes = _outcomes(mark)
+        # The trick's own control: a learner user without permissions hears the grader ask the provider.
+        with monkeypatch.context() as patch:
+            patch.setattr(RunUsers, "learner_permissions", lambda self: {})
+            _graded(LAB04, starter, mark, OVERHEAR_THE_GRADER)
+        unguarded = _outcomes(mark)
+    finally:
+        mark.rmdir()
+    assert any(o.startswith("outcome heard") for o in unguarded), unguarded
+    assert not control.passed and not verdict.passed, verdict.to_text()
+    assert outcomes and all(o.startswith("outcome refused") for o in outcomes), outcomes
+    assert set(_failed(control)) & set(_failed(verdict)), verdict.to_text()
 
 
 @pytest.fixture(params=["own server", "shared server"])
