@@ -78,6 +78,19 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.write_line(f"grading runs in test processes: {sum(by_file.values())} ({files})")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    if str(ROOT / "tests") not in sys.path:  # where the test modules import it from, once collected
+        sys.path.insert(0, str(ROOT / "tests"))
+    from verdicts import DEPTH, ROUND
+
+    if DEPTH == "deep":
+        return "msglab: a deep run (every seed, every known file under load, every hostile case)"
+    return (
+        f"msglab: a quick run, round {ROUND:08x} (each known file on one of its seeds, a share under load"
+        " and of the hostile corpus); MSGLAB_TEST_DEPTH=deep grades everything"
+    )
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: two workers per core, at most twelve.
 
@@ -157,7 +170,7 @@ def _unit(item: pytest.Item) -> str:
 SECONDS = {
     "test_browser.py": 25.0,  # a lesson in JupyterLab (14-34 s), plus the lab's start
     "test_variants_under_load.py": 19.0,  # a lab's known files, four at once under load
-    "test_variants.py": 6.0,  # one file on four seeds
+    "test_variants.py": 6.0 if os.environ.get("MSGLAB_TEST_DEPTH") == "deep" else 2.5,  # a file on its seeds
     "test_hostile.py": 6.0,
     "test_demo_idempotency.py": 10.0,
     "test_edition_make_test.py": 30.0,

@@ -18,19 +18,69 @@ import os
 import re
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from conftest import VERDICT_LOG
 from msglab.catalog import all_labs
 from msglab.grading.verdict import Verdict
 
+T = TypeVar("T")
 VARIANTS = Path(__file__).resolve().parent / "variants"
 EXPECT = re.compile(r"^[ \t]*Expect:[ \t]*(pass|fail)\b[ \t]*(.*)$", re.M)
 SAYS = re.compile(r"^[ \t]*Says:[ \t]*(.*?)[ \t]*$", re.M)
 LOAD_SEED = 11  # every file's fifth seed, graded with every core busy (tests/test_variants_under_load.py)
+
+# How much of the known files' seeds and plans a run of the suite covers. `quick` (what `make test`
+# runs): each file on one of its four seeds, a share of the files under load and of the hostile corpus,
+# chosen by the round; `deep` (what CI runs, `make test DEPTH=deep`): every seed, every file under load,
+# every hostile case. A round is the commit checked out, so a rerun on the same commit grades the same
+# plans (a failure replays) and every commit turns to other seeds; MSGLAB_TEST_ROUND picks one.
+DEPTH = os.environ.get("MSGLAB_TEST_DEPTH", "quick")
+if DEPTH not in ("quick", "deep"):
+    raise ValueError(f"MSGLAB_TEST_DEPTH={DEPTH!r}: 'quick' (the default) or 'deep'")
+
+
+def _round() -> int:
+    if os.environ.get("MSGLAB_TEST_ROUND"):
+        return int(os.environ["MSGLAB_TEST_ROUND"])
+    head = Path(__file__).resolve().parent.parent / ".git"
+    try:
+        ref = (head / "HEAD").read_text().strip()
+        if ref.startswith("ref: "):
+            ref = (head / ref[5:]).read_text().strip() if (head / ref[5:]).is_file() else _packed(head, ref[5:])
+        return int(ref[:8], 16)
+    except (OSError, ValueError):  # not a git checkout (an unpacked tarball): always the first round
+        return 0
+
+
+def _packed(git: Path, ref: str) -> str:
+    for line in (git / "packed-refs").read_text().splitlines():
+        if line.endswith(" " + ref):
+            return line.split()[0]
+    raise ValueError(ref)
+
+
+ROUND = _round()
+
+
+def _spread(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def in_this_round(name: str, share: int) -> bool:
+    """Whether the item called `name` is graded in this run: always in a deep run; in a quick one, for
+    one round in `share` (items spread over the rounds by their names, so a run holds about 1/share)."""
+    return DEPTH == "deep" or (_spread(name) + ROUND) % share == 0
+
+
+def this_round(items: list[T], share: int, name: Callable[[T], str] = str) -> list[T]:
+    """The items graded in this run (see in_this_round); never none of a non-empty list."""
+    kept = [item for item in items if in_this_round(name(item), share)]
+    return kept or items[ROUND % len(items) :][:1]
 
 
 @dataclass(frozen=True)
@@ -51,12 +101,19 @@ class Case:
         return f"{self.lab}-{self.name}"
 
     @property
-    def seeds(self) -> list[int]:
+    def own_seeds(self) -> list[int]:
         """Four seeds of the file's own, from where its name says, never LOAD_SEED: with it, five seeds
-        a run (rule 9); each file meets other plans, so the suite covers a few hundred, and any failure
-        names its seed for a replay."""
+        (rule 9); each file meets other plans, so the suite covers a few hundred, and any failure names
+        its seed for a replay."""
         first = 1 + zlib.crc32(self.id.encode()) % 200
         return [seed for seed in range(first, first + 5) if seed != LOAD_SEED][:4]
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds this run grades the file on: all four in a deep run, one a round in a quick one
+        (each round the next, so four rounds cover them)."""
+        own = self.own_seeds
+        return own if DEPTH == "deep" else [own[(_spread(self.id) + ROUND) % len(own)]]
 
     def judge(self, verdict: Verdict) -> str:
         """An empty string when the verdict is the expected one, else what is wrong with it."""

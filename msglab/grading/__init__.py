@@ -58,7 +58,8 @@ Rules every grader follows (modules 04-08 copy them):
    or are lower bounds that load cannot break; upper bounds are generous deadlines.
 9. Every rule has wrong variants (tests/variants/NN_x/*.py, each naming the check it must fail)
    and correct alternatives written differently (tests/variants/NN_x/also_right/), graded over
-   at least 5 seeds in the test suite (four of each file's own, one with every core busy).
+   at least 5 seeds in the test suite (four of each file's own, one with every core busy; CI's deep
+   run grades them all, a quick `make test` one seed a file, another each commit).
 
 The lab pattern (modules 04-08 copy it):
 
@@ -80,7 +81,7 @@ The lab pattern (modules 04-08 copy it):
 - `tests/variants/NN_x/*.py`: wrong variants, whole learner files whose docstring has a line
   `Expect: fail <check_id>[, <check_id>]`; `tests/variants/NN_x/also_right/*.py`: correct ones
   written differently, `Expect: pass`. tests/test_variants.py grades all of them, the starter
-  (must fail) and the solution (must pass) on seeds 1-5, idle and under CPU load.
+  (must fail) and the solution (must pass) on each file's own seeds, idle and under CPU load (rule 9).
 
 A grader error (its own bug, a server that will not start) is a GraderError: exit code 2 with a
 message saying it is the course's fault, never a learner FAIL.
