@@ -43,7 +43,7 @@ from msglab.errors import LabError, MsglabError
 
 MARKER = "edition.toml"
 LEFT_OUT = ("solutions/", "tests/", "conftest.py", "scripts/", ".ci/", "docs/instructors.md", "var/", ".msglab/",
-            "wheelhouse/", "grades/", "classroom/", "autograder/")  # fmt: skip
+            "wheelhouse/", "grades/", "classroom/", "autograder/", "examples/", "docs/authoring.md")  # fmt: skip
 NEVER = re.compile(r"(^|/)(__pycache__|\.ipynb_checkpoints|\.git|\.venv|\.mypy_cache|\.ruff_cache|\.pytest_cache)(/|$)"
                    r"|\.pyc$|\.egg-info(/|$)")  # fmt: skip
 REFERENCE = re.compile(r"solutions/|--solution\b|solution\s*=\s*True")

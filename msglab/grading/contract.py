@@ -13,6 +13,7 @@ Optional, by name (found with getattr, so they are checked by `problems` instead
     STREAM: str / STREAMS: tuple[str, ...]          every stream it creates (a shared server allows only these)
     DURABLE: str / DURABLES: tuple[str, ...]        the platform's durables (learner code may only read, fetch, ack)
     LEARNER_SUBJECTS: list[str]                    ordinary subjects learner code may publish and subscribe on
+    LEARNER_REQUESTS: list[str]                    subjects of the lab's services learner code may request, never serve
     LEARNER_DENY_PUBLISH: list[str]                subjects only course services may publish on
 
 msglab.broker.users reads these to set the learner's permissions: a lab's Topology gives STREAM and
@@ -79,7 +80,7 @@ def problems(module: ModuleType) -> list[str]:
             found.append(f"{name}.{one} is not a str")
         if not _names(getattr(module, many, ())):
             found.append(f"{name}.{many} is not a sequence of names")
-    for subjects in ("LEARNER_SUBJECTS", "LEARNER_DENY_PUBLISH"):
+    for subjects in ("LEARNER_SUBJECTS", "LEARNER_REQUESTS", "LEARNER_DENY_PUBLISH"):
         if not _names(getattr(module, subjects, [])):
             found.append(f"{name}.{subjects} is not a list of subjects")
     return found
