@@ -280,7 +280,7 @@ def _fill(env):
     home, mb, stopped = os.environ["HOME"], 0, ""
     try:
         for i in range(100):  # 20 MB files, each under the file size limit, up to 2 GB in all
-            with open(os.path.join(home, f"fill-{i}"), "wb") as out:
+            with open(os.path.join(home, f"fill-{os.getpid()}-{i}"), "wb") as out:
                 for _ in range(20):
                     out.write(b"x" * (1 << 20))
                     out.flush()
@@ -294,10 +294,17 @@ _hostile(_fill, once=True)
 
 
 def _filled(mark: Path) -> dict[str, Any]:
-    said = [json.loads(w[len("filled ") :]) for w in [(mark / n).read_text() for n in os.listdir(mark)]
-            if w.startswith("filled ")]  # fmt: skip
-    assert said, "the filler never ran"
-    return max(said, key=lambda word: (word["mb"], "stopped by" in word))
+    """What the run's processes wrote into its home: MB in all (each process's last word), and how they ended."""
+    last: dict[str, dict[str, Any]] = {}
+    names = [name for name in os.listdir(mark) if not name.endswith(".part")]  # a kill mid-report leaves a part
+    for name in sorted(names, key=lambda name: int(name.split("-")[1])):  # {pid}-{monotonic ns}
+        word = (mark / name).read_text()
+        if word.startswith("filled "):
+            last[name.split("-")[0]] = json.loads(word[len("filled ") :])
+    assert last, "the filler never ran"
+    stopped = [word["stopped by"] for word in last.values() if "stopped by" in word]
+    return {"mb": sum(word["mb"] for word in last.values()), "mounted": all(w["mounted"] for w in last.values()),
+            "processes": len(last), **({"stopped by": stopped[0]} if stopped else {})}  # fmt: skip
 
 
 def _run_mounts() -> list[str]:
@@ -352,3 +359,25 @@ def test_a_killed_graders_bounded_home_is_unmounted_and_removed_by_the_next_run(
     assert sweep_stale_runs(str(tmp_path)) == [str(folder)]
     assert not folder.exists()
     assert not [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(folder) in line]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user")
+def test_the_watch_counts_the_whole_home_and_what_the_runs_user_owns_in_a_shared_scratch(tmp_path: Path) -> None:
+    from msglab.grading.sandbox import FOLDER_FILES, FOLDER_MB, MB, over_bound, written
+
+    uid = 3_000_002
+    home, shared = tmp_path / "home", tmp_path / "shared"
+    home.mkdir()
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (home / "shop.sqlite").write_bytes(b"x" * 8192)
+    with open(home / "sparse", "wb") as out:  # 1 GB long, nothing written: it takes no room
+        out.truncate(1 << 30)
+    (shared / "mine").write_bytes(b"x" * 16384)
+    os.chown(shared / "mine", uid, uid)
+    (shared / "theirs").write_bytes(b"x" * (1 << 20))  # another user's: not the run's
+    used, entries = written(str(home), uid, (str(shared),))
+    assert entries == 3 and 8192 + 16384 <= used < 1 << 20, (used, entries)
+    assert written(str(home), None, (str(shared),))[1] == 2  # without a user of its own, only the home
+    assert not over_bound(used, entries)
+    assert over_bound(FOLDER_MB * MB + 1, 1) and over_bound(0, FOLDER_FILES + 1)

@@ -67,7 +67,8 @@ LIMITS = {  # per learner process
 NPROC = 64  # processes of the sandbox user, only with a uid of its own
 FOLDER_MB = 64  # what a run's processes may write into its home, in all (a lab writes a small database)
 FOLDER_FILES = 10_000  # entries (files, folders, links) they may make there
-WATCH_INTERVAL = 0.05  # seconds between two looks at a home the kernel would not bound (the zygote's watch)
+SCAN_LIMIT = 50_000  # entries one look may read, the run's or others' (shared scratch folders)
+WATCH_INTERVAL = 0.02  # seconds between two looks at a home the kernel would not bound (the zygote's watch)
 UID_RANGE = (3_000_000, 3_999_999)  # no account uses these; a fresh one per run
 SIGNAL_LIMITS = {signal.SIGXCPU: "CPU time", signal.SIGXFSZ: "file size"}
 
@@ -307,16 +308,19 @@ def remove_run_folder(folder: str) -> None:
 
 def written(folder: str, uid: int | None = None, roots: tuple[str, ...] = ()) -> tuple[int, int]:
     """(bytes, entries) a run holds in its home `folder`, and in `roots` (shared scratch folders) what `uid`
-    owns there; the walk stops once it has counted more than FOLDER_FILES entries. Bytes are allocated
-    blocks, so a sparse file counts what it really takes."""
-    used = entries = 0
+    owns there; the walk stops once it has counted more than FOLDER_FILES entries (or looked at SCAN_LIMIT
+    of anyone's: a crowded shared /tmp must not make each look slow). Bytes are allocated blocks, so a
+    sparse file counts what it really takes."""
+    used = entries = scanned = 0
     stack = [(folder, True)] + [(root, False) for root in roots if uid is not None]
-    while stack and entries <= FOLDER_FILES:
+    stack.reverse()  # the home first
+    while stack and entries <= FOLDER_FILES and scanned <= SCAN_LIMIT:
         where, everything = stack.pop()
         try:
             found = list(os.scandir(where))
         except OSError:
             continue
+        scanned += len(found)
         for entry in found:
             try:
                 info = entry.stat(follow_symlinks=False)

@@ -257,12 +257,16 @@ def _zygote(ctl: socket.socket) -> None:
                     watch = (str(spec["cwd"]), uid, () if private or uid is None else SCRATCH)
             pid = os.fork()
             if pid == 0:
+                if over:  # the run is past its folder's bound: a new process would only write more
+                    os.kill(os.getpid(), signal.SIGKILL)
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(wake_r)
                 os.close(wake_w)
                 _become_learner(spec, fds, ctl)
             ours.add(pid)
+            if over:
+                over.add(pid)
             for fd in fds:
                 os.close(fd)
             try:
