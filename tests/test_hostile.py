@@ -70,7 +70,7 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.parametrize(("lab", "attack"), CASES, ids=[f"{lab.number}-{attack.name}" for lab, attack in CASES])
 def test_hostile_submission_fails_in_time_and_leaves_nothing(
-    no_nats_url: None, mark: Path, lab: Lab, attack: Attack
+    no_nats_url: None, mark: Path, lab: Lab, attack: Attack, caplog: pytest.LogCaptureFixture
 ) -> None:
     if attack.own_user and not OWN_USER:
         pytest.skip("needs learner code to run as a user of its own (grader as root, Python readable by others)")
@@ -93,6 +93,11 @@ def test_hostile_submission_fails_in_time_and_leaves_nothing(
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes outlived the verdict: {survivors}"
     outcomes = [w for w in said if w.startswith("outcome ")]
+    if attack.name == "malformed_pull_requests":
+        assert outcomes, "the malformed pull requests were never sent"
+        # None raised inside the grader's broker watch (nats-py logs a callback's exception as an error).
+        raised = [r for r in caplog.records if r.exc_info and r.name.startswith(("nats", "asyncio", "msglab"))]
+        assert not raised, [r.getMessage() for r in raised]
     assert all(w.startswith("outcome refused") for w in outcomes), outcomes
     assert not list(Path(runs_folder()).glob(f"{RUN_PREFIX}{os.getpid()}-*")), "the run left its folder"
     mounts = Path("/proc/self/mountinfo").read_text() if Path("/proc/self/mountinfo").exists() else ""

@@ -325,4 +325,30 @@ _hostile(_fill, once=True)
 """,
         every_lab=False,
     ),
+    # Malformed pull requests on the platform durable's own subject (a learner may send pull requests there):
+    # the grader's broker watch hears each one and must ignore it, never raise (test_hostile reads its log).
+    Attack(
+        "malformed_pull_requests",
+        """
+import asyncio as _asyncio
+
+_PLATFORM = {"01": ("ORDERS", "email"), "02": ("BILLING", "invoicer"), "03": ("PAYMENTS", "payments"),
+             "04": ("EMAILS", "email"), "05": ("ORDERS", "fulfil"), "06": ("SHOP_EVENTS", "")}
+
+
+async def _garble(env):
+    stream, durable = _PLATFORM.get({lab!r}, ("", ""))
+    if not durable:
+        return  # a lab without a platform durable
+    subject = f"$JS.API.CONSUMER.MSG.NEXT.{env.stream(stream)}.{env.durable(durable)}"
+    for body in (b"not json", b"[1, 2]", b'"batch"', b'{"batch": "x"}', b'{"batch": 1e400}', b'{"expires": []}',
+                 b"\\xff\\xfe", b"", b"null", b'{"batch": -1}'):
+        await env.nc.publish(subject, body, reply=env.nc.new_inbox())
+        await env.nc.publish(subject, body)
+    await env.nc.flush()
+    _report("outcome refused: sent 20 malformed pull requests")  # sent; what the grader made of them is its log
+_hostile(_garble, once=True)
+""",
+        every_lab=False,
+    ),
 ]
