@@ -220,7 +220,7 @@ def _litter(env):
     import ctypes, os, socket
     tag, key = {tag!r}, {key}
     wrote = {{"/tmp holds": sorted(os.listdir("/tmp"))}}
-    for where, count, mb in (("/tmp", 3, 60), ("/dev/shm", 1, 8), ("/var/tmp", 1, 1)):
+    for where, count, mb in (("/tmp", 3, 60), ("/dev/shm", 1, 8), ("/var/tmp", 1, 1), ("/run/lock", 2, 1)):
         wrote[where] = 0
         for i in range(count):
             try:
@@ -263,12 +263,13 @@ def test_what_a_run_writes_outside_its_folder_is_bounded_and_gone_after_the_verd
     said = [(mark / n).read_text() for n in os.listdir(mark) if not n.endswith(".part")]
     wrote = json.loads(next(word for word in said if word.startswith("litter "))[len("litter ") :])
     assert all(wrote[kind] >= 0 for kind in ("shm", "sem", "msg")), wrote  # the control: each was made
-    left = [str(p) for root in ("/tmp", "/var/tmp", "/dev/shm") for p in Path(root).glob(f"{tag}*")]
+    left = [str(p) for root in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock") for p in Path(root).glob(f"{tag}*")]
     assert left == [], f"the run left {left}"
     assert key not in _sysv_keys(), "the run left System V IPC"
     if OWN_USER:  # as root (a user of its own), the run's scratch is a bounded tmpfs of its own
         assert wrote["/tmp"] <= 64 and "/tmp stopped by" in wrote, wrote
         assert wrote["/dev/shm"] <= 16, wrote
+        assert wrote["/run/lock"] <= 1 and "/run/lock stopped by" in wrote, wrote  # on this disk, unbounded before
         # Nothing of the machine's /tmp is in sight (other runs' folders, the grader's files): only its own.
         others = [name for name in wrote["/tmp holds"] if not name.startswith(tag)]
         assert len(others) == 1 and others[0].startswith("msglab-run-"), others

@@ -16,7 +16,7 @@ process (no container engine, no user namespaces, which this course cannot count
   end the grader kills every process of that uid (`kill -9 -1` as that uid), which catches
   children that detached or double-forked into sessions of their own.
 - **A private scratch** with a user of its own: the run's zygote enters a mount and IPC namespace
-  of its own with bounded tmpfs on /tmp, /var/tmp and /dev/shm (the run's folder bound back in), so
+  of its own with bounded tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock (the run's folder bound back in), so
   what a run writes there is bounded in total and vanishes with it, System V IPC too; where the kernel
   refuses (no CAP_SYS_ADMIN), the end-of-run sweep removes every file and IPC object of the run's uid.
 - **A bounded home**: the run's home (the learner's HOME and TMPDIR, which the grader reads too) is a
@@ -217,8 +217,9 @@ class Sandbox:
 
 
 # A run's private scratch folders (tmpfs in a mount namespace of its own; `private_scratch`), in MB:
-# what every learner process of the run may write there in total. They vanish with the run.
-PRIVATE_SCRATCH = {"/tmp": 64, "/var/tmp": 16, "/dev/shm": 16}
+# what every learner process of the run may write there in total. They vanish with the run. /run/lock is
+# world-writable too, and on some machines it sits on the real disk (a plain folder of /).
+PRIVATE_SCRATCH = {"/tmp": 64, "/var/tmp": 16, "/dev/shm": 16, "/run/lock": 1}
 CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 
