@@ -691,3 +691,60 @@ def test_serve_tls_without_the_cryptography_package_says_what_to_install(tmp_pat
                           cwd=ROOT, timeout=60)  # fmt: skip
     assert "pip install 'msglab[classroom]'" in done.stdout, done.stdout + done.stderr
     assert not (tmp_path / "tls").exists()
+
+
+def test_a_sealed_learner_process_reaches_a_tls_room_with_the_ca_in_its_environment(
+    tls_room: Classroom, tmp_path: Path
+) -> None:
+    """What a graded learner process has: NATS_URL, NATS_CA as the PEM itself (its uid may not read the
+    learner's files), msglab.classroom sealed."""
+    code = (
+        "import asyncio, os, nats\n"
+        "from msglab.grading.sandbox import seal_course\n"
+        "seal_course()\n"
+        "from msglab.broker import tls_options\n"
+        "async def main():\n"
+        "    url = os.environ['NATS_URL']\n"
+        "    nc = await nats.connect(url, allow_reconnect=False, **tls_options(url))\n"
+        "    print('streams', (await nc.jetstream().account_info()).streams)\n"
+        "    await nc.close()\n"
+        "asyncio.run(main())\n"
+    )  # fmt: skip
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "MSGLAB_STATE_DIR": str(tmp_path / "state"),
+           "NATS_URL": tls_room.local_url("bob"), "NATS_CA": tls_room.ca_pem()}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and "streams 0" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_lesson_00_runs_on_a_tls_room_joined_from_its_handout(tls_room: Classroom, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    done = cli(["join", str(tls_room.folder / "learners" / "alice.txt")], env={"MSGLAB_STATE_DIR": str(state)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lesson = sorted((ROOT / "lessons").glob("00_*.ipynb"))[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "NATS_CA", "MSGLAB_SERVER_VERSION")}
+    env["MSGLAB_STATE_DIR"] = str(state)
+    # A kernel as VS Code or a plain `jupyter lab` starts it: no NATS_URL, the joined account (nbval's conftest.py
+    # would give the kernel a state folder of its own). Any error in a cell fails the run.
+    run = subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
+         str(tmp_path), "--ExecutePreprocessor.timeout=120", str(lesson)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    executed = json.loads((tmp_path / lesson.name).read_text())
+    texts = [o["text"] for c in executed["cells"] for o in c.get("outputs", []) if "text" in o]
+    said = "".join(t if isinstance(t, str) else "".join(t) for t in texts)
+    assert "your classroom account" in said and "ssl" not in said, said[:3000]
+    # The server's own record: the lesson's connections were alice's, TLS from their first byte, and did work.
+    with urllib.request.urlopen(f"{tls_room.monitor_url}/connz?state=closed&auth=true&acc=alice", timeout=5) as got:
+        closed = json.loads(got.read())["connections"]
+    assert closed and all(c["account"] == "alice" and c["tls_version"] and c["tls_first"] for c in closed), closed
+    assert sum(c["in_msgs"] for c in closed) >= 5, [(c["name"], c["in_msgs"]) for c in closed]
+
+    async def streams() -> list[str]:  # and it cleaned up after itself
+        nc = await nats.connect(tls_room.local_url("alice"), **tls_room.tls_options())
+        names = [str(s.config.name) for s in await nc.jetstream().streams_info()]
+        await nc.close()
+        return names
+
+    assert asyncio.run(streams()) == []
