@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,11 +21,12 @@ import pytest
 from conftest import ROOT
 from msglab.catalog import all_labs, find_lab
 from msglab.classroom import sample
-from msglab.classroom.gradebook import grade_class, seed_for, summary_text
+from msglab.classroom.gradebook import Worker, class_key, grade_class, seed_for, summary_text
 from msglab.classroom.points import LabPoints, lab_points, score
 from msglab.classroom.sample import make_class
 from msglab.classroom.submissions import MAX_BYTES, read_submissions
-from msglab.errors import LabError
+from msglab.errors import LabError, MsglabError
+from msglab.grading import nemesis
 from msglab.grading.verdict import Check, Verdict
 
 LABS = ("01_request_reply_vs_events", "02_delivery_guarantees")
@@ -220,14 +222,55 @@ def test_a_generated_class_is_graded_end_to_end_with_the_right_scores(course: Pa
     assert record["seed"] == wrong.seed and record["verdict"]["seed"] == wrong.seed
     assert (out / "summary.txt").read_text().startswith("graded 6 learners x 2 labs")
 
-    # A regrade reproduces the verdicts exactly: same seeds, same checks failed, same scores.
+    # A regrade elsewhere (the salt, and the class's plan key copied into its --out) reproduces the verdicts
+    # exactly: same seeds, same faults, same checks failed, same scores.
+    (tmp_path / "again").mkdir()
+    shutil.copy(out / "plan.key", tmp_path / "again" / "plan.key")
     again = grade_class(tmp_path / "class", out=tmp_path / "again", jobs=2, progress=False, learners=[wrong.learner],
                         salt=result.salt)  # fmt: skip
+    assert again.plan_key == result.plan_key == json.loads((out / "grading.json").read_text())["plan_key"]
     for row in again.rows:
         first = rows[(row.learner, row.lab.name)]
         assert (row.seed, row.result and row.result.score, row.result and row.result.failed) == (
             first.seed, first.result.score if first.result else None, first.result.failed if first.result else None
         )  # fmt: skip
+
+
+def test_a_class_has_a_plan_key_of_its_own_that_a_regrade_elsewhere_needs(tmp_path: Path) -> None:
+    out, other, elsewhere = tmp_path / "out", tmp_path / "other", tmp_path / "elsewhere"
+    key = class_key(out)
+    info = (out / "plan.key").stat()
+    assert (info.st_mode & 0o777, info.st_uid) == (0o600, os.geteuid())  # the instructor's alone
+    assert class_key(out) == key  # grading into the same --out again: the same faults
+
+    def plan(key: bytes) -> int:  # the plan a worker draws for seed 7 (it grades under key.hex())
+        return nemesis.plan_seed(7, nemesis.key_from_text(key.hex()))
+
+    assert plan(class_key(other)) != plan(key)  # another class, the same seed: other faults
+    (out / "grading.json").write_text(json.dumps({"salt": "s", "plan_key": nemesis.key_id(key)}))
+    elsewhere.mkdir()
+    shutil.copy(out / "grading.json", elsewhere)  # the verdicts' record, without their key
+    with pytest.raises(MsglabError, match="missing, and the verdicts"):
+        class_key(elsewhere)
+    shutil.copy(other / "plan.key", elsewhere)
+    with pytest.raises(MsglabError, match="were graded under plan key"):
+        class_key(elsewhere)
+    shutil.copy(out / "plan.key", elsewhere)  # its mode travels with it
+    assert class_key(elsewhere) == key
+    (elsewhere / "plan.key").chmod(0o644)
+    with pytest.raises(MsglabError, match="nobody else may read"):
+        class_key(elsewhere)
+
+
+def test_a_grading_worker_grades_under_the_class_key(tmp_path: Path) -> None:
+    key = class_key(tmp_path / "out")
+    with open(tmp_path / "workers.log", "w") as log:
+        worker = Worker(log, key)
+        try:
+            environ = Path(f"/proc/{worker.proc.pid}/environ").read_bytes().split(b"\0")
+        finally:
+            worker.stop()
+    assert f"{nemesis.KEY_VARIABLE}={key.hex()}".encode() in environ
 
 
 def test_the_grade_command_names_a_missing_folder_with_exit_2(

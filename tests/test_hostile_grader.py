@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,3 +181,144 @@ def test_a_sibling_symlink_to_a_graders_file_is_not_copied_into_the_run(no_nats_
     assert not verdict.passed
     outcomes = [w for w in _said(mark) if w.startswith("outcome ")]
     assert outcomes and all(w.startswith("outcome refused") for w in outcomes), outcomes
+
+
+# --- keyed plans (issue 15: "the fault plan from the command line") -------------------------------
+
+
+def test_one_seed_under_two_keys_draws_two_plans_and_the_seed_alone_neither(monkeypatch: pytest.MonkeyPatch) -> None:
+    from msglab.graders import delivery_guarantees, request_reply_vs_events
+    from msglab.grading import nemesis
+
+    seeds = range(1, 21)
+
+    def keyed(text: str) -> list[int]:
+        monkeypatch.setenv(nemesis.KEY_VARIABLE, text)
+        return [nemesis.plan_seed(seed) for seed in seeds]
+
+    first, again, other = keyed("key a"), keyed("key a"), keyed("key b")
+    assert first == again  # one key, one seed: one plan (a replay)
+    for grader in (request_reply_vs_events, delivery_guarantees):
+        plans = [grader.Plan.draw(k) for k in first]
+        assert not any(p == grader.Plan.draw(k) for p, k in zip(plans, other, strict=True)), grader.__name__
+        assert not any(p == grader.Plan.draw(seed) for p, seed in zip(plans, seeds, strict=True)), grader.__name__
+
+
+def test_the_key_file_is_the_graders_alone_and_a_planted_one_is_never_used(tmp_path: Path) -> None:
+    from msglab.grading import nemesis
+
+    path = tmp_path / "var" / "plan.key"
+    key = nemesis.plan_key(path)
+    info = path.stat()
+    assert (info.st_mode & 0o777, info.st_uid, len(key)) == (0o600, os.geteuid(), nemesis.KEY_BYTES)
+    nemesis._keys.pop(path)
+    assert nemesis.plan_key(path) == key  # read again, not made again: replays keep their plans
+    path.chmod(0o644)  # readable by others: it may have been read, or planted
+    nemesis._keys.pop(path)
+    assert nemesis.plan_key(path) != key and path.stat().st_mode & 0o777 == 0o600
+
+
+READ_A_FILE = """
+import sys
+try:
+    open(sys.argv[1], "rb").read()
+    print("read")
+except OSError as exc:
+    print("refused", type(exc).__name__)
+"""
+
+
+@pytest.mark.skipif(not OWN_USER, reason="as the grader's own user, learner code may read the grader's files anyway")
+def test_a_learners_user_cannot_read_the_installations_key_file(mark: Path) -> None:
+    from msglab.grading import nemesis
+
+    nemesis.plan_key(nemesis.key_file())  # made on first use, if no grading made it yet
+    readable = mark / "readable"
+    readable.write_bytes(b"x")
+    readable.chmod(0o644)
+    uid = secrets.SystemRandom().randint(*UID_RANGE)
+
+    def read(path: Path) -> str:
+        done = subprocess.run([sys.executable, "-I", "-c", READ_A_FILE, str(path)], user=uid, group=uid,
+                              extra_groups=[], capture_output=True, text=True, timeout=30, cwd="/")  # fmt: skip
+        return done.stdout.strip() or done.stderr
+
+    assert read(readable) == "read"  # the control: that user reads what it may
+    assert read(nemesis.key_file()) == "refused PermissionError"
+    readable.unlink()
+
+
+# Reports the orders lab 01's grader hands place_order (drawn from the run's plan), and what a learner
+# process finds of the seed and the key: in any process's command line, in any environment it may read.
+SEE_THE_PLAN = """
+import json as _json
+
+_placed = place_order
+
+
+async def place_order(env, order):
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, as an attacker would: its own environ is readable
+    seen = {"order": order, "env": sorted(n for n in _os.environ if "KEY" in n or "SEED" in n)}
+    seen.update(seed=[], decoy=[], grader=0, environs=0, secret=[])
+    for pid in filter(str.isdigit, _os.listdir("/proc")):
+        try:
+            words = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:  # gone
+            continue
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:  # another user's
+            environ = None
+        seen["seed"] += [pid] if b"@SEED@" in words else []
+        seen["decoy"] += [pid] if b"@DECOY@" in words else []
+        seen["grader"] += b"msglab" in words and b"check" in words
+        if environ is not None:
+            seen["environs"] += 1
+            seen["secret"] += [pid] if b"@SEED@" in environ or b"@KEYTEXT@" in environ else []
+    _report("saw " + _json.dumps(seen))
+    return await _placed(env, order)
+"""
+
+
+def test_msglab_check_keeps_the_seed_off_every_command_line_and_replays_its_keyed_plan(
+    tmp_path: Path, mark: Path
+) -> None:
+    from conftest import ROOT, run_cli
+    from msglab.grading import nemesis
+
+    seed, decoy, text = 864213, 864214, f"keytext-{secrets.token_hex(8)}"
+    lab = LABS["01"]
+    course = tmp_path / "course"
+    for folder in ("labs", "solutions"):
+        shutil.copytree(
+            ROOT / folder / lab.name, course / folder / lab.name, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    source = course / "labs" / lab.name / lab.file
+    trick = SEE_THE_PLAN.replace("@DECOY@", str(decoy)).replace("@SEED@", str(seed)).replace("@KEYTEXT@", text)
+    source.write_text(source.read_text() + PRELUDE.format(mark=str(mark)) + trick)
+    # The control: a process with a number on its command line, which learner code must see.
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()", str(decoy)], stdin=subprocess.PIPE
+    )
+    runs = []
+    try:
+        for _ in range(2):  # the same seed twice: a replay
+            done = run_cli("check", lab.number, "--seed", str(seed), "--json", "--no-attempt",
+                           env={"MSGLAB_ROOT": str(course), nemesis.KEY_VARIABLE: text})  # fmt: skip
+            assert done.returncode == 1 and json.loads(done.stdout)["seed"] == seed, done.stdout + done.stderr
+            runs.append([json.loads(w[len("saw ") :]) for w in _said(mark) if w.startswith("saw ")])
+            for name in os.listdir(mark):
+                os.unlink(mark / name)
+    finally:
+        assert waiting.stdin is not None
+        waiting.stdin.close()
+        waiting.wait()
+    placed = [{s["order"]["id"]: s["order"]["sku"] for s in seen} for seen in runs]
+    assert placed[0] and placed[0] == placed[1], placed  # the same plan, replayed
+    for seen in (s for run in runs for s in run):
+        assert seen["decoy"] and seen["grader"] and seen["environs"], seen  # the controls: it reads argv and environs
+        assert seen["seed"] == [] and seen["env"] == [], seen  # no command line carries the seed
+        if OWN_USER:  # as the grader's own user it reads the grader's environment too (self-study)
+            assert seen["secret"] == [], seen

@@ -11,12 +11,17 @@ worker's, the server's, the learner processes') is measured in the worker.
 
 Seeds are salted: a random salt by default, so learners cannot replay their graded faults before
 the deadline, written to OUT/grading.json and printed; grading into the same OUT again reuses it.
+Plans are keyed (once nemesis.KEYED_PLANS is on): a run's faults come from its seed and the class's plan
+key, OUT/plan.key, made on the first grading into OUT and readable by the instructor's user alone; its id is
+in grading.json. A regrade reproduces the verdicts where OUT/plan.key is the same (the same OUT, or a
+copy of it on another machine); another key draws other faults from the same seeds.
 
 Written to OUT:
     gradebook.csv              learner, lab, score, max, passed, failed, seed, seconds, status, note
     grades.csv                 one row per learner: name, sid, email (when the export has them), a column
                                per lab, the total and the maximum
-    grading.json               the salt, the labs, when
+    grading.json               the salt, the plan key's id, the labs, when
+    plan.key                   the class's plan key (0600): a regrade elsewhere needs it
     feedback/<learner>.txt     every lab's verdict as text, with the command that replays it
     verdicts/<learner>/<lab>.json  the score and the verdict as JSON
     summary.txt                what the screen showed at the end
@@ -48,12 +53,14 @@ from msglab.catalog import Lab, all_labs, course_root, find_lab
 from msglab.classroom.points import LabPoints, Score, lab_points, number, same_code, score
 from msglab.classroom.submissions import Found, Person, read_submissions
 from msglab.errors import GraderError, MsglabError
+from msglab.grading import nemesis
 from msglab.grading.verdict import Verdict
 
 SEED_RANGE = 999_999  # seeds are 1..999999, as msglab check draws them
 READY_TIMEOUT = 120.0  # a worker imports the graders: seconds on a cold, busy machine
 TASK_TIMEOUT = 240.0  # one verdict; the grader stops itself after about a minute whatever the learner does
 CSV_FIELDS = ["learner", "lab", "score", "max", "passed", "failed", "seed", "seconds", "status", "note"]
+PLAN_KEY = "plan.key"  # in OUT: the class's plan key
 
 
 def seed_for(learner: str, lab: str, salt: str = "") -> int:
@@ -113,6 +120,7 @@ class ClassResult:
     startup_cpu: float = 0.0  # CPU the workers spent starting (Python, the graders' imports), once per job
     salt: str = ""
     people: dict[str, list[Person]] = field(default_factory=dict)  # learner -> submitters, when the export says
+    plan_key: str = ""  # the id of the class's plan key (nemesis.key_id), as grading.json records it
 
     @property
     def graded(self) -> list[Row]:
@@ -184,6 +192,7 @@ def grade_class(
     starter (the starter is graded once per such file: a file rewritten without changing what it does).
     It trusts a wrong file's verdict to be the same on every run of a seed, which lab 02's is not yet.
     """
+    salted = salt is not None and salt != _saved_salt(out)  # a salt from elsewhere
     salt = salt if salt is not None else _saved_salt(out) or secrets.token_hex(6)
     stream = stream or sys.stderr
     started = time.perf_counter()
@@ -193,6 +202,8 @@ def grade_class(
     starters = {lab.name: (lab.folder / lab.file).read_bytes() for lab in labs if (lab.folder / lab.file).is_file()}
     found = read_submissions(submissions, assignment)
     found.require_lab_files(labs, course_labs)  # a layout not understood stops here, before any verdict
+    fresh = not os.path.lexists(out / PLAN_KEY)
+    key = class_key(out)  # so does a plan key that would not reproduce the verdicts already in OUT
     ids = sorted(found.learners)
     if learners:
         missing = sorted(set(learners) - set(ids))
@@ -214,18 +225,21 @@ def grade_class(
                     continue
                 source = stage(file, stage_root / safe_name(learner) / lab.name)
                 pending.append((row, source, same_code(file.content, starters.get(lab.name, b""))))
-        out.mkdir(parents=True, exist_ok=True)
-        startup = _run(pending, points, jobs, progress, stream, out / "workers.log")
+        startup = _run(pending, points, jobs, progress, stream, out / "workers.log", key)
         if starter_behaviour:
-            startup += _behaves_as_starter(pending, starters, points, jobs, stream, out, stage_root / "starters")
+            startup += _behaves_as_starter(pending, starters, points, jobs, stream, out, stage_root / "starters", key)
     finally:
         shutil.rmtree(stage_root, ignore_errors=True)
     graded = {(row.learner, row.lab.name) for row in rows}
     earlier = [row for row in earlier_rows(out) if (row.learner, row.lab.name) not in graded]
     notes = found.notes + ([f"kept {len(earlier)} earlier verdict(s) from {out} (not graded again this time)"]
                            if earlier else [])  # fmt: skip
+    if salted and fresh:
+        notes.append(f"a new plan key in {out / PLAN_KEY}: verdicts graded elsewhere with this salt are reproduced "
+                     f"only with their --out's {PLAN_KEY} (copy it into --out before grading)")  # fmt: skip
     result = ClassResult(sorted(rows + earlier, key=lambda r: (r.learner, r.lab.name)), out, jobs,
-                         time.perf_counter() - started, notes, startup, salt, found.people)  # fmt: skip
+                         time.perf_counter() - started, notes, startup, salt, found.people,
+                         nemesis.key_id(key))  # fmt: skip
     write_outputs(result, points)
     return result
 
@@ -252,7 +266,7 @@ def earlier_rows(out: Path) -> list[Row]:
 
 
 def _behaves_as_starter(pending: list[tuple[Row, Path, bool]], starters: dict[str, bytes], points: dict[str, LabPoints],
-                        jobs: int, stream: TextIO, out: Path, stage_root: Path) -> float:  # fmt: skip
+                        jobs: int, stream: TextIO, out: Path, stage_root: Path, key: bytes) -> float:  # fmt: skip
     """Grade the starter on the seed of every failing row; a row whose failed checks are the starter's scores as it."""
     twins: list[tuple[Row, Path, bool]] = []
     rows: list[Row] = []
@@ -264,7 +278,7 @@ def _behaves_as_starter(pending: list[tuple[Row, Path, bool]], starters: dict[st
         twin = Row(row.learner, row.lab, row.seed, "the starter")
         twins.append((twin, stage(starter, stage_root / safe_name(row.learner) / row.lab.name), False))
         rows.append(row)
-    startup = _run(twins, points, jobs, False, stream, out / "workers.log")
+    startup = _run(twins, points, jobs, False, stream, out / "workers.log", key)
     for row, (twin, _, _) in zip(rows, twins, strict=True):
         assert row.result is not None
         if twin.verdict is not None and twin.result and set(twin.result.failed) == set(row.result.failed):
@@ -275,14 +289,45 @@ def _behaves_as_starter(pending: list[tuple[Row, Path, bool]], starters: dict[st
 
 
 def _saved_salt(out: Path) -> str:
+    return _saved(out, "salt")
+
+
+def _saved(out: Path, name: str) -> str:
     try:
-        return str(json.loads((out / "grading.json").read_text())["salt"])
+        return str(json.loads((out / "grading.json").read_text())[name])
     except (OSError, ValueError, KeyError, TypeError):
         return ""
 
 
+def class_key(out: Path) -> bytes:
+    """The plan key of the class graded into `out`: OUT/plan.key, made on the first grading (0600, yours).
+
+    Every verdict's faults come from its seed and this key, so a regrade reproduces them only under the
+    same key: a key missing, unusable or not the one that graded the verdicts already in `out` stops here,
+    before any verdict (a fresh key would silently give the class other faults).
+    """
+    path = out / PLAN_KEY
+    recorded = _saved(out, "plan_key")
+    again = "copy plan.key from the --out folder that graded them, or grade into a new --out"
+    if not os.path.lexists(path):
+        if recorded:
+            raise MsglabError(f"{path} is missing, and the verdicts in {out} were graded under plan key {recorded}",
+                              hint=again)  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        return nemesis.plan_key(path)
+    key = nemesis.read_key(path)
+    if key is None:
+        raise MsglabError(f"{path} is no plan key this user may use: it must be a regular file of "
+                          f"{nemesis.KEY_BYTES} bytes, yours, that nobody else may read",
+                          hint=f"chmod 600 {path} if it is the key that graded this class")  # fmt: skip
+    if recorded and nemesis.key_id(key) != recorded:
+        raise MsglabError(f"{path} is plan key {nemesis.key_id(key)}, but the verdicts in {out} were graded under "
+                          f"plan key {recorded}", hint=again)  # fmt: skip
+    return key
+
+
 def _run(pending: list[tuple[Row, Path, bool]], points: dict[str, LabPoints], jobs: int, progress: bool,
-         stream: TextIO, log: Path) -> float:  # fmt: skip
+         stream: TextIO, log: Path, key: bytes) -> float:  # fmt: skip
     """Grade every pending row on `jobs` workers; return the CPU the workers spent starting up."""
     if not pending:
         return 0.0
@@ -300,7 +345,7 @@ def _run(pending: list[tuple[Row, Path, bool]], points: dict[str, LabPoints], jo
     startup: list[float] = []
     with open(log, "a", encoding="utf-8") as log_file:
         threads = [
-            threading.Thread(target=_serve, args=(pending, tasks, done, log_file, startup), daemon=True)
+            threading.Thread(target=_serve, args=(pending, tasks, done, log_file, startup, key), daemon=True)
             for _ in range(min(jobs, len(pending)))
         ]
         for thread in threads:
@@ -331,7 +376,7 @@ Outcome = tuple[int, dict[str, Any]]  # a pending row's index and what its worke
 
 
 def _serve(pending: list[tuple[Row, Path, bool]], tasks: queue.Queue[int], done: queue.Queue[Outcome], log: TextIO,
-           startup: list[float]) -> None:  # fmt: skip
+           startup: list[float], key: bytes) -> None:  # fmt: skip
     """One job: a worker process fed one task at a time; a worker that dies or hangs is replaced."""
     worker: Worker | None = None
     try:
@@ -343,7 +388,7 @@ def _serve(pending: list[tuple[Row, Path, bool]], tasks: queue.Queue[int], done:
             row, source, _ = pending[index]
             if worker is None:
                 try:
-                    worker = Worker(log)
+                    worker = Worker(log, key)
                     startup.append(worker.startup_cpu)
                 except MsglabError as exc:
                     done.put((index, {"error": str(exc)}))
@@ -360,12 +405,15 @@ def _serve(pending: list[tuple[Row, Path, bool]], tasks: queue.Queue[int], done:
 
 
 class Worker:
-    """One `python -m msglab.classroom.worker` process (see msglab.classroom.worker)."""
+    """One `python -m msglab.classroom.worker` process (see msglab.classroom.worker), grading under `key`."""
 
-    def __init__(self, log: TextIO) -> None:
+    def __init__(self, log: TextIO, key: bytes) -> None:
+        # The key in the worker's environment, which only the instructor's user reads; its learner
+        # processes are started without it (sandbox.LEARNER_ENV).
+        env = {**os.environ, nemesis.KEY_VARIABLE: key.hex()}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "msglab.classroom.worker", str(course_root())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
         )  # fmt: skip
         ready = self._answer(READY_TIMEOUT)
         if ready is None or not ready.get("ready"):
@@ -444,7 +492,7 @@ def write_outputs(result: ClassResult, points: dict[str, LabPoints]) -> None:
     (out / "summary.txt").write_text(summary_text(result) + "\n", encoding="utf-8")
     write_wide(result, out / "grades.csv")
     (out / "grading.json").write_text(json.dumps({
-        "salt": result.salt, "labs": sorted({row.lab.name for row in result.rows}),
+        "salt": result.salt, "plan_key": result.plan_key, "labs": sorted({row.lab.name for row in result.rows}),
         "graded": datetime.now().isoformat(timespec="seconds"),
     }, indent=2) + "\n")  # fmt: skip
 
@@ -555,6 +603,8 @@ def summary_text(result: ClassResult) -> str:
         "",
         f"salt:      {result.salt} (saved in {result.out / 'grading.json'}; grading into the same --out reuses it, "
         f"or pass --salt {result.salt})",
+        f"plan key:  {result.plan_key} ({result.out / PLAN_KEY}, yours alone: the faults of every verdict; a regrade "
+        "elsewhere reproduces them with a copy of it in its --out)",
         f"gradebook: {result.out / 'gradebook.csv'}",
         f"grades:    {result.out / 'grades.csv'} (one row per learner, a column per lab)",
         f"feedback:  {result.out / 'feedback'}/ (one file per learner)",

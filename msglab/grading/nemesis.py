@@ -8,16 +8,18 @@ SIGKILLs the child's whole process group before recording the effect ("before") 
 like a machine losing power. Because the grader pulls the trigger itself, it knows which
 planned faults fired; a run whose faults did not fire cannot pass (see msglab.grading).
 
-A seed is public (it is printed with every verdict and typed on command lines), and this module's
-code is importable by learner code, so a plan drawn from the seed alone could be rebuilt by the
-learner's process. A run draws its plan from `plan_seed(seed)` instead: an HMAC of the seed under
-a key of this installation (`plan_key`, a file only the grader's user can read, made on first use).
-The same seed on the same installation gives the same plan, so replays reproduce.
+A seed is public (it is printed with every verdict), and this module's code is importable by
+learner code, so a plan drawn from the seed alone could be rebuilt by the learner's process. A run
+draws its plan from `plan_seed(seed)` instead (once KEYED_PLANS is on): an HMAC of the seed under a
+key of this installation (`plan_key`: the file var/plan.key, readable only by the grader's user and
+made on first use, or the text in $MSGLAB_PLAN_KEY, which a class gradebook and the test suite set
+and no learner process inherits). The same seed under the same key gives the same plan, so replays
+reproduce; under another key, another plan.
 
 What holds: when the grader is root, learner code runs as a user of its own and cannot read the
-key (nor the grader's memory: learner processes are forks of a nursery that never loads it). When
-the grader is not root, learner code runs as the grader's own user and could read the key file:
-self-study trusts the learner with their own grading.
+key (nor the grader's memory or environment: learner processes are forks of a nursery that never
+loads it, with allow-listed environments). When the grader is not root, learner code runs as the
+grader's own user and could read the key: self-study trusts the learner with their own grading.
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ def rng(seed: int, stream: str) -> random.Random:
 
 
 KEY_BYTES = 32
-# Whether runs draw plans from plan_seed(seed) (harness.Run.seed). Off until the tests that draw a
-# run's plan from its public seed (test_grader_02's batch seed, test_grader_03's race) use plan_seed.
+# Whether runs draw plans from plan_seed(seed) (harness.Run.seed). Off until lab 06's guessed_delay fails on
+# every plan: it passes 3 of its 4 seeds under the test suite's key (and plain seeds 4 and 5 today).
 KEYED_PLANS = False
+# The plan key as text, read before var/plan.key (class gradebooks, the test suite). Not on the sandbox's
+# allow-list (sandbox.LEARNER_ENV), so no learner process is started with it.
+KEY_VARIABLE = "MSGLAB_PLAN_KEY"
 
 
 def key_file() -> Path:
@@ -69,19 +74,22 @@ def key_file() -> Path:
     return course_root() / "var" / "plan.key"
 
 
-_key: list[bytes] = []  # this process's key, once read
+_keys: dict[Path, bytes] = {}  # this process's keys by file, once read
 
 
 def plan_key(path: Path | None = None) -> bytes:
-    """This installation's secret for fault plans: read from `key_file()`, made on first use (0600, the
-    grader's user). A file that is not the grader's own (a symlink, another user's, readable by others,
-    the wrong size: planted or damaged) is replaced, never used.
+    """This installation's secret for fault plans: from $MSGLAB_PLAN_KEY when set, else read from
+    `key_file()`, made on first use (0600, the grader's user). A file that is not the grader's own (a
+    symlink, another user's, readable by others, the wrong size: planted or damaged) is replaced, never used.
     """
-    if _key and path is None:
-        return _key[0]
+    text = os.environ.get(KEY_VARIABLE, "") if path is None else ""
+    if text:
+        return key_from_text(text)
     path = path or key_file()
+    if path in _keys:
+        return _keys[path]
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = _read_key(path)
+    key = read_key(path)
     for _attempt in range(3):
         if key is not None:
             break
@@ -89,15 +97,25 @@ def plan_key(path: Path | None = None) -> bytes:
             if os.path.lexists(path):
                 os.unlink(path)  # not ours, or not a key: it must never decide a plan
         _make_key(path)
-        key = _read_key(path)
+        key = read_key(path)
     if key is None:
         raise PermissionError(f"{path}: no usable fault-plan key (it keeps being replaced)")
-    if path == key_file():
-        _key[:] = [key]
+    _keys[path] = key
     return key
 
 
-def _read_key(path: Path) -> bytes | None:
+def key_from_text(text: str) -> bytes:
+    """The plan key a text names ($MSGLAB_PLAN_KEY): any text, the same key wherever it is set."""
+    return hashlib.sha256(f"msglab-plan-key:{text}".encode()).digest()
+
+
+def key_id(key: bytes) -> str:
+    """A name for a key that gives nothing of it away: what a class's grading.json records."""
+    return hashlib.sha256(b"msglab-plan-key-id:" + key).hexdigest()[:12]
+
+
+def read_key(path: Path) -> bytes | None:
+    """The key in `path`, or None unless it is a regular file of KEY_BYTES bytes, ours, that nobody else reads."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -131,7 +149,7 @@ def _make_key(path: Path) -> None:
         os.unlink(temporary)
 
 
-def plan_seed(seed: int) -> int:
-    """The seed a run draws its fault plan from: the public seed under this installation's key."""
-    digest = hmac.new(plan_key(), f"msglab-plan:{seed}".encode(), hashlib.sha256).digest()
+def plan_seed(seed: int, key: bytes | None = None) -> int:
+    """The seed a run draws its fault plan from: the public seed under the plan key (this installation's)."""
+    digest = hmac.new(key or plan_key(), f"msglab-plan:{seed}".encode(), hashlib.sha256).digest()
     return int.from_bytes(digest[:8], "big")
