@@ -189,6 +189,8 @@ async def connect(url: str | None = None, *, name: str = "msglab", **options: An
     async def error_cb(exc: Exception) -> None:
         if isinstance(exc, ssl.SSLCertVerificationError) and not refused.done():
             refused.set_result(exc)
+        if isinstance(exc, ssl.SSLError) and exc.reason == "APPLICATION_DATA_AFTER_CLOSE_NOTIFY":
+            return  # a TLS connection closing while the server still writes: nothing was lost that was asked for
         await passed_on(exc)
 
     options["error_cb"] = error_cb
