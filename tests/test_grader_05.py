@@ -29,9 +29,23 @@ ALL = {
     "busy_when_stream_full",
     "no_accepted_order_lost",
     "stored_once",
+    "effects_on_the_workload",
     "faults_fired",
     "no_unplanned_deaths",
 }
+# Answers about orders nobody placed, reported on an intake's first call: nine, as many as the planned kill counts.
+DECOYS = """
+
+_place_order = place_order
+
+
+async def place_order(env, order):
+    if not getattr(env, "decoyed", False):
+        env.decoyed = True
+        for n in range(9):
+            env.world.call("accepted", f"no-such-{n}")
+    return await _place_order(env, order)
+"""
 
 
 def failure(verdict: Any, name: str) -> Any:
@@ -43,7 +57,8 @@ def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
     failed = {c.name for c in verdict.failures}
     # Its background publisher meets the lost confirmations late or never (it answers before publishing, and a
     # publish without a confirmation blocks it for nats-py's 5 s): stored_once, or rule 1, may fail too.
-    must = ALL - {"refuses_only_over_budget", "faults_fired", "no_unplanned_deaths", "stored_once"}
+    must = ALL - {"refuses_only_over_budget", "faults_fired", "no_unplanned_deaths", "stored_once",
+                  "effects_on_the_workload"}  # fmt: skip
     assert must <= failed <= must | {"stored_once", "faults_fired"}, verdict.to_text()
     assert "always said 0" in failure(verdict, "age_tracks_truth").hint
     fooled = failure(verdict, "not_fooled_by_depth").message
@@ -82,6 +97,19 @@ def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url
     check = failure(copied, "promise_kept")
     assert "the age was under the budget when you accepted it" in check.hint and "Little's law" in check.hint
     assert grade("05", seed=7, source=Path(__file__).parents[1] / "solutions" / "05_backpressure" / "intake.py").passed
+
+
+def test_answers_about_orders_nobody_placed_do_not_take_the_kill(no_nats_url: None, tmp_path: Path) -> None:
+    # An intake that accepts into memory, after nine decoy answers: on a grader that counted every answer, intake A
+    # was killed among its decoys, holding nothing. The kill lands right after a real ACCEPTED: that order is lost.
+    decoyed = tmp_path / "intake.py"
+    decoyed.write_text((VARIANTS / "outbox_in_memory.py").read_text() + DECOYS)
+    verdict = grade("05", source=decoyed, seed=3)
+    assert "planned to kill" not in verdict.to_text(), verdict.to_text()  # the kill fired (rule 1 has no word on it)
+    lost = failure(verdict, "no_accepted_order_lost")
+    assert "SIGKILLed right after that answer" in lost.message, verdict.to_text()
+    decoys = failure(verdict, "effects_on_the_workload")
+    assert "called accepted for no-such-0" in decoys.message and "nobody placed" in decoys.hint
 
 
 def test_plan_replays_from_its_seed() -> None:

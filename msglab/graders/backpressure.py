@@ -36,7 +36,9 @@ age with a margin); no order is refused while the queue is young and short; orde
 with an exception, always refused while the stream is full; every accepted order is in the stream
 and processed, also the one accepted right before the SIGKILL. The status rule and the age
 measurement are the world's (msglab.world.fulfilment), the ones the lesson teaches. Rule 1 (the
-SIGKILL fired) is worded from the labels on intake A's Crash.
+SIGKILL fired) is worded from the labels on intake A's Crash. The kill lands on the workload (issue
+15): each order is registered as it is placed, the intake's answers are judged by it, so an answer
+about an order nobody placed never takes the kill, and effects_on_the_workload names it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ STATUSES = ("OK", "WARNING", "ERROR")
 # sends no confirmation (its no_ack, for a moment); "request", the stream is full and its refusal is not sent either.
 LOST_KINDS = ("reply", "request")
 ACCEPTED, BUSY = "accepted", "busy"
+OUTCOMES = (ACCEPTED, BUSY, "failed", "other")  # the intake's answers, each an effect call about the order placed
 
 
 def _borderline(samples: list[Sample], budget: float) -> bool:
@@ -397,13 +400,17 @@ class Lab:
     # -- effects the intake calls
 
     def attach(self) -> None:
-        for outcome in (ACCEPTED, BUSY, "failed", "other"):
+        # Each answer names the order placed (Run.workload): intake A's planned kill lands only on an answer about
+        # an order the grader placed, never on one about an order nobody placed.
+        self.run.workload.only(*OUTCOMES)
+        for outcome in OUTCOMES:
             self.run.on(outcome, self._answered(outcome))
 
     def _answered(self, outcome: str) -> Any:
         async def handler(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
-            self.answers[key or ""] = (outcome, time.time(), detail)
             self.run.record_effect(child, outcome, key, **detail)
+            if not self.run.workload.decoy(outcome, key):  # a decoy answers no customer (effects_on_the_workload)
+                self.answers[key or ""] = (outcome, time.time(), detail)
 
         return handler
 
@@ -455,6 +462,7 @@ class Lab:
         label, child = chosen
         self.next_order += 1
         oid = f"{prefix}-{self.next_order:04d}"
+        self.run.workload.add(oid)  # before the call: the intake answers about it before the call returns
         order = {"id": oid, "sku": f"sku-{100 + self.next_order % 37}", "qty": 1 + self.next_order % 3}
         async with self.locks[child.pid]:  # one call at a time per process
             p = Placed(oid, label, self.phase.current, time.time())
@@ -553,7 +561,7 @@ async def grade(run: Run) -> list[Check]:
         await _stop(background)
         await pool.close()
     handled = await _read_stream(run, pool)
-    return judge(lab, Truth(h for h in handled.values() if h.ts > 0))
+    return [*judge(lab, Truth(h for h in handled.values() if h.ts > 0)), _workload_check(run)]
 
 
 async def _play(lab: Lab) -> None:
@@ -855,6 +863,17 @@ def judge(lab: Lab, truth: Truth) -> list[Check]:
         _lost_check(lab, truth),
         _stored_once_check(lab, truth),
     ]
+
+
+def _workload_check(run: Run) -> Check:
+    """The platform's effects_on_the_workload (Run.workload_check), with a hint in the intake's terms."""
+    check = run.workload_check("answer")
+    if not check.passed:
+        check.hint = (
+            "return ACCEPTED or BUSY from place_order for the order it was handed: the course reports that answer "
+            "to the customer; an answer about an order nobody placed reaches nobody"
+        )
+    return check
 
 
 def _lost_fired(lab: Lab, truth: Truth) -> None:
