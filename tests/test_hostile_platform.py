@@ -133,15 +133,20 @@ def _outcomes(mark: Path) -> list[str]:
     return [word for word in said if word.startswith("outcome ")]
 
 
-def test_a_backoff_set_on_the_platform_durable_does_not_make_a_worker_without_delays_pass(no_nats_url: None) -> None:
+def _beside_its_control(lab: Lab, source: str, trick: str) -> tuple[Verdict, Verdict, list[str]]:
+    """The wrong file graded without the trick (the control) and with it, and what the trick reported."""
     mark = mark_folder("msglab-platform-")
     try:
-        control = _graded(LAB04, NO_DELAY, mark)
-        assert not control.passed, control.to_text()
-        verdict = _graded(LAB04, NO_DELAY, mark, BACKOFF_ON_THE_PLATFORM_DURABLE)
-        outcomes = _outcomes(mark)
+        control = _graded(lab, source, mark)
+        _outcomes(mark)  # the control reports nothing of the trick's
+        return control, _graded(lab, source, mark, trick), _outcomes(mark)
     finally:
         mark.rmdir()
+
+
+def test_a_backoff_set_on_the_platform_durable_does_not_make_a_worker_without_delays_pass(no_nats_url: None) -> None:
+    control, verdict, outcomes = _beside_its_control(LAB04, NO_DELAY, BACKOFF_ON_THE_PLATFORM_DURABLE)
+    assert not control.passed, control.to_text()
     assert outcomes and all(o.startswith("outcome refused") for o in outcomes), outcomes
     assert set(_failed(control)) & set(_failed(verdict)), verdict.to_text()  # its own mistake still fails it
 
@@ -149,14 +154,7 @@ def test_a_backoff_set_on_the_platform_durable_does_not_make_a_worker_without_de
 def test_flooding_and_steering_the_email_provider_leaves_a_failing_verdict_not_a_grading_error(
     no_nats_url: None,
 ) -> None:
-    mark = mark_folder("msglab-platform-")
-    starter = LAB04.source().read_text()
-    try:
-        control = _graded(LAB04, starter, mark)
-        verdict = _graded(LAB04, starter, mark, FLOOD_AND_STEER_THE_PROVIDER)
-        outcomes = _outcomes(mark)
-    finally:
-        mark.rmdir()
+    control, verdict, outcomes = _beside_its_control(LAB04, LAB04.source().read_text(), FLOOD_AND_STEER_THE_PROVIDER)
     assert not control.passed and not verdict.passed, verdict.to_text()
     assert outcomes, "the flood never ran"
     assert verdict.seconds < GRADE_TIMEOUT, verdict.to_text()
@@ -170,13 +168,11 @@ def test_a_worker_overhearing_the_graders_requests_to_the_provider_hears_nothing
 ) -> None:
     from msglab.broker.users import RunUsers
 
-    mark = mark_folder("msglab-platform-")
     starter = LAB04.source().read_text()
+    control, verdict, outcomes = _beside_its_control(LAB04, starter, OVERHEAR_THE_GRADER)
+    # The trick's own control: a learner user without permissions hears the grader ask the provider.
+    mark = mark_folder("msglab-platform-")
     try:
-        control = _graded(LAB04, starter, mark)
-        verdict = _graded(LAB04, starter, mark, OVERHEAR_THE_GRADER)
-        outcomes = _outcomes(mark)
-        # The trick's own control: a learner user without permissions hears the grader ask the provider.
         with monkeypatch.context() as patch:
             patch.setattr(RunUsers, "learner_permissions", lambda self: {})
             _graded(LAB04, starter, mark, OVERHEAR_THE_GRADER)
@@ -225,13 +221,7 @@ def test_storing_300_mb_into_the_platforms_stream_is_refused_at_the_bound_and_th
     kind, admin = where
     bound = RUN_JETSTREAM["max_file"] if kind == "own server" else SLOT_JETSTREAM["max_file"]
     stores = {str(p) for p in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}{os.getpid()}-*")}
-    mark = mark_folder("msglab-platform-")
-    try:
-        control = _graded(LAB01, ACK_BEFORE_WORK, mark)
-        verdict = _graded(LAB01, ACK_BEFORE_WORK, mark, HOG_THE_STREAM)
-        outcomes = _outcomes(mark)
-    finally:
-        mark.rmdir()
+    control, verdict, outcomes = _beside_its_control(LAB01, ACK_BEFORE_WORK, HOG_THE_STREAM)
     assert not control.passed and "no_lost_emails" in _failed(control), control.to_text()
     assert not verdict.passed and "no_lost_emails" in _failed(verdict), verdict.to_text()  # its own mistake
     # Each of its processes hogs once: together they store at most the bound, then the server refuses.
