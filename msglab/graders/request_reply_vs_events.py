@@ -39,6 +39,7 @@ that email); every email the provider refused goes out later and the worker live
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections import Counter
@@ -87,6 +88,7 @@ IDLE_MARGIN = 1.0  # ... and ask once more within its own fetch expiry plus this
 IDLE_CAP = 7.0  # the longest the grader waits for idle survival at all (nats-py's default fetch: 5 s)
 LATE_DEADLINE = 2.0  # the late order must be emailed within this
 SETTLE = 2.0  # at the end, how long email and loyalty have to finish
+STORE_WAIT = 1.0  # around the refused publishes: how long the grader waits for a publish (it takes milliseconds)
 TRACE_LINES = 16  # steps quoted per order in a verdict
 OUTAGE_WORKER = 2  # the email provider is down for email worker #3 (0-based), which no crash is planned for
 OUTAGE_CALLS = 2  # ... for its first this many env.send_email calls: retrying once is not enough
@@ -390,7 +392,33 @@ class Stream:
         self.events: dict[int, tuple[str, str | None, float]] = {}  # seq -> (subject, order id, first seen)
         self.scanned = 0
         self.placed_at: dict[str, float] = {}  # order id -> when place_order was called for it (no event before)
+        self.published: set[str] = set()  # order ids of every publish on the stream's subjects, stored or refused
         self._lock = asyncio.Lock()
+        self._sub: Any = None
+
+    async def listen(self) -> None:
+        """Take a copy of every publish on the stream's subjects: core NATS delivers it whether or not the stream
+        stores it."""
+
+        async def seen(msg: Any) -> None:
+            if oid := order_id(msg.data or b""):
+                self.published.add(oid)
+
+        self._sub = await self.run.nc.subscribe(self.run.names.subject("orders.>"), cb=seen)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def attempted(self, oid: str) -> bool:
+        """A publish about that order reached the server (stored or refused: the grader's copy of every publish)."""
+        await self.run.nc.flush()
+        return oid in self.published
+
+    async def holds_accepted(self, plan: Plan) -> bool:
+        """Every order placed and accepted so far has its event in the stream."""
+        await self.scan()
+        return all(self.seqs(o.id) for o in plan.orders if o.accepted)
 
     async def scan(self) -> None:
         """Read every event stored since the last scan."""
@@ -479,6 +507,7 @@ async def grade(run: Run) -> list[Check]:
     await _provision(run.js, run.names)
     shop, stream = _storefront(run, plan), Stream(run)
     watch = await EMAIL_TOPOLOGY.watch(run)
+    await stream.listen()
     await shop.start()
     email = HeldSpawns(run, "email_worker", plan.faults, limit=len(plan.crashes) + 1, params=PARAMS)
     provider = Provider(run, email)
@@ -493,6 +522,7 @@ async def grade(run: Run) -> list[Check]:
         await email.cancel()
         await shop.stop()
         await watch.stop()
+        await stream.stop()
     await email.settle()  # so rule 6 knows when each worker ended, and rule 3 sees one that ended on its own
     await stream.scan()
     if not provider.planned.fired:
@@ -539,9 +569,13 @@ async def _workload(
                 continue
             order = plan.get(step)
             if order.role == "stream_refused":
-                await stream.scan()
+                # The refusal meets this order's publish and no other, on every replay: an earlier order's event
+                # published in the background is in the stream before it starts, and it lasts until a publish
+                # about this order reached the server (one made after place_order returned too).
+                await run.wait_for(functools.partial(stream.holds_accepted, plan), STORE_WAIT)
                 async with refuse_publishes(run.js, run.names.stream(STREAM)):
                     await desk.place(order)
+                    await run.wait_for(functools.partial(stream.attempted, order.id), STORE_WAIT)
                     await stream.scan()  # while still refusing: nothing can have been added since
                     run.log.record("note", "refused_window_checked", order.id, present=bool(stream.seqs(order.id)))
             else:
@@ -587,7 +621,9 @@ async def _workload(
     async with phase("settle"):
 
         async def settled() -> bool:
-            return decided() or unread() or (await drained(EMAIL_TOPOLOGY) and await drained(LOYALTY_TOPOLOGY))
+            # Loyalty is the course's: it always catches up, so what it awarded never depends on when the run ended.
+            email_done = decided() or unread() or await drained(EMAIL_TOPOLOGY)
+            return email_done and await drained(LOYALTY_TOPOLOGY)
 
         await run.wait_for(settled, SETTLE)
     proof = rules.IdleProof(late.id, late_at, since, was_drained, refetch, waited, LATE_DEADLINE)
