@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
 from attacks import ATTACKS, PRELUDE, Attack, mark_folder
+from verdicts import this_round
 
 from msglab.catalog import Lab, all_labs
 from msglab.grading.grade import CLEANUP_TIMEOUT, GRADE_TIMEOUT, grade
@@ -22,12 +23,18 @@ from msglab.grading.sandbox import Sandbox
 
 OWN_USER = Sandbox.for_this_machine().uid is not None
 LABS = all_labs()
-# Most attacks hit every lab; the others (see Attack.every_lab) hit one, the labs taking turns.
+# Most attacks hit every lab (in a deep run; a quick one, its share of them this round: verdicts.DEPTH);
+# the others (see Attack.every_lab) hit one, the labs taking turns.
 ONE_LAB = [attack for attack in ATTACKS if not attack.every_lab]
+QUICK_SHARE = 4  # a quick run sends an every-lab attack at about one lab in four
 CASES = [
     (lab, attack)
     for attack in ATTACKS
-    for lab in (LABS if attack.every_lab else [LABS[ONE_LAB.index(attack) % len(LABS)]])
+    for lab in (
+        this_round(LABS, QUICK_SHARE, lambda lab, name=attack.name: f"{name}-{lab.number}")
+        if attack.every_lab
+        else [LABS[ONE_LAB.index(attack) % len(LABS)]]
+    )
 ]
 
 
