@@ -27,15 +27,15 @@ LABS = all_labs()
 # the others (see Attack.every_lab) hit one, the labs taking turns.
 ONE_LAB = [attack for attack in ATTACKS if not attack.every_lab]
 QUICK_SHARE = 4  # a quick run sends an every-lab attack at about one lab in four
-CASES = [
-    (lab, attack)
-    for attack in ATTACKS
-    for lab in (
-        this_round(LABS, QUICK_SHARE, lambda lab, name=attack.name: f"{name}-{lab.number}")
-        if attack.every_lab
-        else [LABS[ONE_LAB.index(attack) % len(LABS)]]
-    )
-]
+
+
+def _targets(attack: Attack) -> list[Lab]:
+    if not attack.every_lab:
+        return [LABS[ONE_LAB.index(attack) % len(LABS)]]
+    return this_round(LABS, QUICK_SHARE, lambda lab: f"{attack.name}-{lab.number}")
+
+
+CASES = [(lab, attack) for attack in ATTACKS for lab in _targets(attack)]
 
 
 @pytest.fixture
