@@ -750,3 +750,15 @@ def test_lesson_00_runs_on_a_tls_room_joined_from_its_handout(tls_room: Classroo
         return names
 
     assert asyncio.run(streams()) == []
+
+
+def test_msglab_check_grades_on_a_tls_room(tls_room: Classroom, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grader, its course services and the sandboxed learner processes all reach the room over TLS,
+    checked against the room's CA (the learner processes get it as the PEM in NATS_CA)."""
+    from msglab.grading.grade import grade
+
+    monkeypatch.setenv("NATS_URL", tls_room.local_url("bob"))
+    monkeypatch.setenv("NATS_CA", tls_room.ca_pem())
+    verdict = grade("01", solution=True, seed=3)
+    assert verdict.passed, verdict.to_text()
+    assert "shared server" in verdict.server

@@ -192,9 +192,10 @@ async def _worker_main(config: dict[str, Any]) -> None:
     answered with "ok" once the workers it stopped have finished the orders in their hands."""
     import nats
 
+    from msglab.broker import tls_options
     from msglab.world.fulfilment import Fulfilment
 
-    nc = await nats.connect(config["url"], name="lesson05-worker")
+    nc = await nats.connect(config["url"], name="lesson05-worker", **tls_options(config["url"]))
     # A stuck worker tells the broker it is still on its order three times an ack_wait: never redelivered.
     pool = Fulfilment(nc.jetstream(), config["stream"], config["durable"], slots=config["slots"],
                       progress=config["ack_wait"] / 3)  # fmt: skip

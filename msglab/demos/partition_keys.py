@@ -90,7 +90,9 @@ async def _worker_main(config: dict[str, Any]) -> None:
     """The worker process: one pull loop on the durable it is told, one event at a time."""
     import nats
 
-    nc = await nats.connect(config["url"], name=f"lesson06-{config['name']}")
+    from msglab.broker import tls_options
+
+    nc = await nats.connect(config["url"], name=f"lesson06-{config['name']}", **tls_options(config["url"]))
     js = nc.jetstream()
     state: dict[str, Any] = {"task": None, "stop": False}
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from msglab.broker import connect, delete_stream, settle_subscriptions
+from msglab.broker import connect, delete_stream, settle_subscriptions, tls_options
 from msglab.broker.server import EmbeddedServer, die_with_parent
 from msglab.world.storefront import INVENTORY
 from msglab.world.storefront import STATES as STATES  # the lesson reaches the storefront's through this module
@@ -649,7 +649,7 @@ async def _email_process(url: str, stream: str, durable: str, hang_after: int) -
     """The body of an EmailProcess."""
     import nats
 
-    nc = await nats.connect(url, name="msglab-email-process")
+    nc = await nats.connect(url, name="msglab-email-process", **tls_options(url))
     sub = await nc.jetstream().pull_subscribe_bind(durable, stream)
     sent = 0
     while True:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from msglab.broker import connect, delete_streams
+from msglab.broker import connect, delete_streams, trusted_ca
 from msglab.broker.server import EmbeddedServer, _pid_alive
 from msglab.broker.users import (
     LEARNER_INBOX,
@@ -623,6 +623,9 @@ class Run:
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",  # never leave __pycache__ in the learner's folder
         )
+        ca = trusted_ca(self.learner_url)
+        if ca:  # a TLS room's CA, as the PEM itself: the learner's uid may not read the file it came from
+            env["NATS_CA"] = ca
         for name in ("MSGLAB_ROOT", "MSGLAB_STATE_DIR"):
             env.pop(name, None)  # nothing that leads to the course's own files
         assert self.zygote is not None

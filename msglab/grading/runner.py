@@ -29,6 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO
 
+from msglab.broker import tls_options
 from msglab.grading.labkit import LabEnv, Names
 
 LEARNER_MODULE = "learner_lab"
@@ -144,9 +145,9 @@ async def amain(channel: Channel) -> int:
         channel.send(event="broken", **describe(exc, path))
         return 3
     options: dict[str, Any] = {"inbox_prefix": os.environ["MSGLAB_INBOX"]} if os.environ.get("MSGLAB_INBOX") else {}
-    nc = await nats.connect(
-        os.environ["NATS_URL"], name=f"msglab-{role}", max_reconnect_attempts=1, reconnect_time_wait=0.1, **options
-    )
+    url = os.environ["NATS_URL"]
+    options |= tls_options(url)  # a TLS room: checked against NATS_CA
+    nc = await nats.connect(url, name=f"msglab-{role}", max_reconnect_attempts=1, reconnect_time_wait=0.1, **options)
     env = LabEnv(
         nc,
         nc.jetstream(),

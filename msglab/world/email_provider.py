@@ -475,7 +475,11 @@ async def serve(url: str, db_path: str, prefix: str = "provider", ready: Any = N
     """The provider process's life: connect, answer until cancelled."""
     import nats
 
-    nc = await nats.connect(url, name="msglab-email-provider", max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    from msglab.broker import tls_options
+
+    nc = await nats.connect(
+        url, name="msglab-email-provider", max_reconnect_attempts=-1, reconnect_time_wait=0.2, **tls_options(url)
+    )
     await _subscribe(nc, ProviderStore(db_path), Behaviour(), prefix)
     if ready is not None:
         ready()

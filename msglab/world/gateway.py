@@ -336,7 +336,11 @@ async def serve(
     """The gateway process's life: connect, answer requests until cancelled."""
     import nats
 
-    nc = await nats.connect(url, name="msglab-gateway", max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    from msglab.broker import tls_options
+
+    nc = await nats.connect(
+        url, name="msglab-gateway", max_reconnect_attempts=-1, reconnect_time_wait=0.2, **tls_options(url)
+    )
     await _subscribe(nc, GatewayStore(db_path, window, search_lag, latency), prefix)
     if ready is not None:
         ready()
