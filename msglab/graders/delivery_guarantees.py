@@ -30,11 +30,12 @@ What is judged, and from what (never from the learner's notes):
     that had sent it ended before the broker had its ack, however the worker batches;
   - settled_after_ack: every invoice is reported, and env.settled(o) arrives only once the broker
     has o's ack. When settled arrives, the learner's process is blocked in that call, so no ack
-    can leave it any more; the grader flushes its own connection and looks in BrokerWatch. An ack
-    the server already had may still be on its way (measured under load: about 1 in 1000 copies
-    of an ack() + flush() arrived after the grader's PONG, 0.3 ms late at most), so the first
-    report without a visible ack waits up to ACK_PATIENCE (0.1 s, a quarter of ack_wait, so the wait
-    itself never causes a redelivery) before it counts as proof; later ones need not wait. The
+    can leave it any more; the grader catches its BrokerWatch up (BrokerWatch.caught_up: every ack
+    the server had before the call is then in it) and looks. An ack written without waiting for
+    the server may still be unread by it, so the first report without a visible ack waits up to
+    ACK_PATIENCE (0.1 s, a quarter of ack_wait, so the wait itself never causes a redelivery)
+    before it counts as proof; later ones need not wait. Each effect is recorded after the same
+    catch-up, so "acked before its invoice" compares the server's order, not two sockets'. The
     crash right after a report is the second, race-free proof: the request came back after it
     (rule 8). A report cut off by a kill between the ack and the report is allowed (rule 6).
   - refused_requests_reported: the request refused for good is reported with env.reject, not
@@ -341,6 +342,9 @@ class Billing:
         from msglab.grading.harness import Refuse
 
         request = await self.known(key)
+        # Every ack the server had before this call is in the watch first, stamped before it: whether a request
+        # was acked before its invoice then never depends on which of two sockets the grader read first.
+        await self.watch.caught_up()
         try:
             if request is not None:
                 self.service.attempt(request.key, request.kind, request.customer, request.outage, time.time())
@@ -353,6 +357,7 @@ class Billing:
 
     async def on_quiet(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
         request = await self.known(key)
+        await self.watch.caught_up()  # the kill right after an invoice is stamped after every ack the server had
         if request is not None and request.takes:  # when the big invoice was done (rule 1 and the claim check)
             self.run.record_effect(child, "invoice_done", key, call=call)
 
@@ -360,23 +365,18 @@ class Billing:
         request = await self.known(key)
         acked, confirmed = None, False
         if request is not None:
+            # Every ack the server had before this call is in the watch now (BrokerWatch.caught_up).
+            await self.watch.caught_up()
             acked = self.watch.settled_on_broker(request.seq)
-            if acked is None:
-                # A PING on the grader's own connection returns after (nearly) everything the server
-                # routed to the grader before it: an ack the server had before this call is then in the
-                # watch. Nearly: under load about 1 in 1000 copies of an ack() + flush() came after it.
-                await self.run.nc.flush()
-                await asyncio.sleep(0)  # let the subscription's task take what was read
-                acked = self.watch.settled_on_broker(request.seq)
             if acked is None and not self.early_confirmed:
-                # The learner's process is blocked in this call, so no ack can leave it now: one the
-                # server had already is only late on its way to the grader (measured under load: 0.3 ms
-                # at most). Wait for it, well within ack_wait so the wait itself never causes a
-                # redelivery; once a report is proven early, later ones need not wait.
+                # The learner's process is blocked in this call, so no ack can leave it now; one it wrote
+                # without waiting for the server may still be unread by the server. Wait for it, well within
+                # ack_wait so the wait itself never causes a redelivery; once a report is proven early, later
+                # ones need not wait.
                 deadline = time.monotonic() + ACK_PATIENCE
                 while acked is None and time.monotonic() < deadline:
                     await asyncio.sleep(0.002)
-                    await self.run.nc.flush()
+                    await self.watch.caught_up()
                     acked = self.watch.settled_on_broker(request.seq)
                 confirmed = self.early_confirmed = acked is None
         self.run.record_effect(child, "settled", key, call=call, acked=acked is not None, confirmed=confirmed)
@@ -385,10 +385,8 @@ class Billing:
         request = await self.known(key)
         if not self.reject_kill.fired and request is not None and request.kind == "refused":
             self.reject_kill.fired = True
-            # A settle the server had before this call may still be on its way to the grader's watch (its own
-            # task): a PING returns after what the server routed before it, so the kill is logged after it.
-            await self.run.nc.flush()
-            await asyncio.sleep(0)
+            # A settle the server had before this call is in the watch before the kill is logged.
+            await self.watch.caught_up()
             self.run.log.record("crash", "reject", key, pid=child.pid, role=child.role, call=call, when="before")
             await child.kill("nemesis")
             return

@@ -21,6 +21,7 @@ so a grader can check that "accepted" means the stream confirmed it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -53,6 +54,7 @@ class Pull:
     inbox: str = ""  # the reply inbox's prefix: one per connection, so it tells workers apart
 
 
+CATCH_UP_LIMIT = 2.0  # seconds caught_up waits for a subscription's queue (its callbacks never block)
 UNMATCHED_KEPT = 10_000  # ack-family messages naming no delivery kept for a verdict (a flood is bounded)
 
 
@@ -88,6 +90,24 @@ class BrokerWatch:
         ]
         await settle_subscriptions(nc)
         return self
+
+    async def caught_up(self) -> None:
+        """Return once every copy the server routed to the grader before now is in the watch.
+
+        A PING on the grader's connection returns after everything the server sent it before the PING,
+        and each subscription then hands its messages to a task of its own: wait until each queue is
+        worked off (as nats-py's own drain() does). So an ack the server had before a learner's effect
+        call is in the watch, stamped earlier than that call, when the grader calls this first; without
+        it, the order of the two stamps is the order two sockets happened to be read in.
+        """
+        if self._nc is None:
+            return
+        await self._nc.flush()
+        for sub in list(self._subs):
+            queue = getattr(sub, "_pending_queue", None)  # nats-py's; its drain() joins it the same way
+            if queue is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(queue.join(), CATCH_UP_LIMIT)
 
     async def stop(self) -> None:
         for sub in self._subs:
