@@ -284,11 +284,11 @@ def test_server_facts_the_lesson_shows(server: EmbeddedServer) -> None:
     assert (held.data, held.delivery) == ("o-1042", 2)
 
 
-def test_nak_and_term_wait_in_the_client_buffer_and_a_kill_before_it_leaves_costs_a_redelivery(
+def test_nak_and_term_wait_in_the_client_buffer_and_a_kill_before_it_leaves_brings_it_back_after_ack_wait(
     server: EmbeddedServer,
 ) -> None:
     async def go() -> tuple[demo.BufferedSettles, demo.KilledAfterSettling]:
-        return await demo.settles_in_the_buffer(server.url), await demo.settle_then_kill(server.url, ack_wait=0.5)
+        return await demo.settles_in_the_buffer(server.url), await demo.settle_then_kill(server.url, 0.5, delay=2.0)
 
     buffered, killed = asyncio.run(go())
     nak, term = buffered["nak()"], buffered["term()"]
@@ -298,9 +298,14 @@ def test_nak_and_term_wait_in_the_client_buffer_and_a_kill_before_it_leaves_cost
     # After a flush: the nak offered it again at once (delivery 2), the term finished it.
     assert (nak.unacked_after, nak.offered_after, term.unacked_after, term.offered_after) == (1, 2, 0, 0)
     # SIGKILLed before the buffer left: the server still held it, and delivered it again (after ack_wait).
-    for did in ("nak()", "term()"):
+    for did in ("nak()", "nak(delay=2)", "term()"):
         assert (killed[did].exit_signal, killed[did].unacked, killed[did].deliveries) == (9, 1, 2)
-    assert killed["nak(), flush()"].deliveries == 2  # the nak arrived: delivered again, at once
+    # A nak that arrived: still pending until its redelivery, which came (at once, or after the delay).
+    for did in ("nak(), flush()", "nak(delay=2), flush()"):
+        assert (killed[did].exit_signal, killed[did].unacked, killed[did].deliveries) == (9, 1, 2)
+    # The lost nak(delay=2) came back when ack_wait (0.5 s) ran out, before the one whose delay reached the server.
+    lost, arrived = killed["nak(delay=2)"].seconds, killed["nak(delay=2), flush()"].seconds
+    assert lost is not None and arrived is not None and lost < arrived
     flushed = killed["term(), flush()"]
     assert (flushed.exit_signal, flushed.unacked, flushed.deliveries, flushed.seconds) == (9, 0, 1, None)
     assert killed.deliveries("term()") == 2 and "finished" in repr(killed) and "nothing" in repr(buffered)

@@ -1021,12 +1021,12 @@ import asyncio, os, signal, sys, time
 import nats
 
 async def main():
-    stream, durable, how, flush = sys.argv[1:5]
+    stream, durable, how, flush, delay = sys.argv[1:6]
     nc = await nats.connect(os.environ["MSGLAB_SETTLE_URL"], name="lesson04-doomed-worker")
     sub = await nc.jetstream().pull_subscribe_bind(durable, stream)
     [msg] = await sub.fetch(1, timeout=30)
     print(time.time(), flush=True)  # when o-1042 was delivered
-    await getattr(msg, how)()
+    await (msg.nak(delay=float(delay)) if float(delay) else getattr(msg, how)())
     if flush == "flush":
         await nc.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -1039,7 +1039,7 @@ asyncio.run(main())
 class Killed:
     """A worker process that settled o-1042 and was SIGKILLed on the next line; what the server did next."""
 
-    did: str  # "term()", "term(), flush()"
+    did: str  # "term()", "term(), flush()", "nak(delay=3)"
     exit_signal: int  # 9: SIGKILL
     unacked: int  # num_ack_pending once the process was gone (and the server had acted on what reached it)
     deliveries: int  # o-1042's deliveries in all
@@ -1075,13 +1075,18 @@ class KilledAfterSettling:
         return self.table()._repr_html_()
 
 
-async def settle_then_kill(url: str | None = None, ack_wait: float = 1.0) -> KilledAfterSettling:
-    """Four worker processes, each on a durable of its own: fetch o-1042; nak() or term() it, with or without
-    `await nc.flush()`; SIGKILL. Then what the server holds and whether, and when, o-1042 comes back."""
+async def settle_then_kill(url: str | None = None, ack_wait: float = 1.0, delay: float = 3.0) -> KilledAfterSettling:
+    """Six worker processes, each on a durable of its own: fetch o-1042; nak(), nak(delay=delay) or term() it,
+    with or without `await nc.flush()`; SIGKILL. Then what the server holds and whether, and when, o-1042 comes
+    back; another worker acks it if it does."""
     from msglab.broker import connect, delete_stream, server_url
 
     url = url or server_url()
-    plans = {"nak": ("nak", ""), "nak_flush": ("nak", "flush"), "term": ("term", ""), "term_flush": ("term", "flush")}
+    plans = {
+        "nak": ("nak", "", 0.0), "nak_flush": ("nak", "flush", 0.0),
+        "nak_delay": ("nak", "", delay), "nak_delay_flush": ("nak", "flush", delay),
+        "term": ("term", "", 0.0), "term_flush": ("term", "flush", 0.0),
+    }  # fmt: skip
     nc = await connect(url, name="lesson04-observer")
     js = nc.jetstream()
     try:
@@ -1094,16 +1099,16 @@ async def settle_then_kill(url: str | None = None, ack_wait: float = 1.0) -> Kil
         await nc.close()
 
 
-async def _kill_one(url: str, js: Any, durable: str, how: str, flush: str) -> Killed:
+async def _kill_one(url: str, js: Any, durable: str, how: str, flush: str, delay: float) -> Killed:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _SETTLE_AND_DIE, PROBE_STREAM, durable, how, flush,
+        sys.executable, "-c", _SETTLE_AND_DIE, PROBE_STREAM, durable, how, flush, str(delay),
         stdout=asyncio.subprocess.PIPE, env={**os.environ, "MSGLAB_SETTLE_URL": url},
     )  # fmt: skip
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     if proc.returncode is None or proc.returncode >= 0 or not out.strip():
         raise RuntimeError(f"the worker for {durable} ended with {proc.returncode}, not a SIGKILL after a delivery")
     delivered = float(out.split()[0])
-    did = f"{how}()" + (", flush()" if flush else "")
+    did = (f"nak(delay={delay:g})" if delay else f"{how}()") + (", flush()" if flush else "")
     # A term that reached the server finishes o-1042 a moment later; if it is still unacked, it comes back.
     if how == "term" and flush and await _until(partial(_none_unacked, js, durable), timeout=5):
         return Killed(did, -proc.returncode, 0, 1, None)
