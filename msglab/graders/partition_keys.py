@@ -436,8 +436,10 @@ async def grade(run: Run) -> list[Check]:
             mine = {(e.key, e.seq) for e in burst if e.key == shop.poison.key}
             await wait(lambda: shop.applied(mine), POISON_WINDOW)
         async with phase("late event"):
-            shop.tending = False  # from now on a worker that ends stays gone: rule 2 is about the one running
+            # A worker that met the refusal just before the resolution may die of it only now: it is replaced
+            # while the durables drain, so what stays stuck never depends on when its death was seen.
             await wait(functools.partial(_consumers_drained, run, stream), 2.0)
+            shop.tending = False  # from now on a worker that ends stays gone: rule 2 is about the one running
             drained_info = await _undrained(run, stream)
             since = max([a.ts for a in watch.acks] or [time.time()])
             alive = [s.child for s in three if s.child is not None]
