@@ -762,3 +762,111 @@ def test_msglab_check_grades_on_a_tls_room(tls_room: Classroom, monkeypatch: pyt
     verdict = grade("01", solution=True, seed=3)
     assert verdict.passed, verdict.to_text()
     assert "shared server" in verdict.server
+
+
+class PlainGreeter:
+    """A real socket server on 127.0.0.1 that greets like a NATS server without TLS (what someone on the path
+    would answer with) and keeps what each client sends before it gives up."""
+
+    INFO = (b'INFO {"server_id":"FAKE","version":"2.15.1","proto":1,"headers":true,"max_payload":1048576,'
+            b'"auth_required":true,"tls_required":false,"jetstream":true}\r\n')  # fmt: skip
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.heard: list[bytes] = []  # one entry per connection
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self._socket.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._greet, args=(client,), daemon=True).start()
+
+    def _greet(self, client: Any) -> None:
+        kept = bytearray()
+        self.heard.append(b"")
+        index = len(self.heard) - 1
+        with client:
+            client.settimeout(10)
+            try:
+                client.sendall(self.INFO)
+                while data := client.recv(65536):
+                    kept.extend(data)
+                    self.heard[index] = bytes(kept)
+                    if b"\r\n" in kept and not kept.startswith(b"\x16"):
+                        return  # a whole protocol line in clear: what was to be shown
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def test_a_greeting_without_tls_gets_no_password_from_the_course_once_it_knows_the_rooms_ca(
+    tls_room: Classroom, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever the URL's scheme, a server the course knows a room's CA for gets the TLS handshake first: a fake
+    server's INFO with tls_required false (someone on the path) hears no CONNECT, no password, in each path."""
+    from msglab.broker import connect
+    from msglab.classroom.join import join, joined_url
+    from msglab.errors import ServerUnreachable
+
+    fake = PlainGreeter()
+    password = tls_room.learners["alice"]
+    plain = f"nats://alice:{password}@127.0.0.1:{fake.port}"
+    ca = str(tls_room.ca_file)
+    monkeypatch.delenv("NATS_URL", raising=False)
+    monkeypatch.delenv("NATS_CA", raising=False)
+    try:
+        # Control: a client that knows no CA sends its password in clear to this greeting (the attack is real).
+        with pytest.raises(Exception):  # noqa: B017 (nats-py's errors for a server that hangs up vary)
+            asyncio.run(_refusal(plain))
+        assert password.encode() in fake.heard[-1], fake.heard
+        said: dict[str, str] = {}
+        heard_before = len(fake.heard)
+        # 1. msglab join nats://... --ca ca.pem
+        done = cli(["join", plain, "--ca", ca], env={"MSGLAB_STATE_DIR": str(tmp_path / "one")})
+        said["join --ca"] = done.stderr
+        assert done.returncode == 2 and "TLS handshake" in done.stderr, done.stdout + done.stderr
+        # 2. msglab join nats://... without --ca, the room's CA known from an earlier join to that server.
+        state = tmp_path / "two"
+        monkeypatch.setenv("MSGLAB_STATE_DIR", str(state))
+        join(plain.replace("nats://", "tls://"), check=False, ca_file=ca)
+        done = cli(["join", plain], env={"MSGLAB_STATE_DIR": str(state)})
+        said["join, joined before"] = done.stderr
+        assert done.returncode == 2 and "TLS handshake" in done.stderr, done.stdout + done.stderr
+        # 4. connect() in that joined state with NATS_URL=nats://...
+        monkeypatch.setenv("NATS_URL", plain)
+        with pytest.raises(ServerUnreachable, match="TLS handshake") as refused:
+            asyncio.run(connect())
+        said["connect, joined"] = str(refused.value)
+        # 3. connect() with NATS_URL=nats://... and NATS_CA naming the room's CA, joined nowhere.
+        monkeypatch.setenv("MSGLAB_STATE_DIR", str(tmp_path / "nobody"))
+        monkeypatch.setenv("NATS_CA", ca)
+        with pytest.raises(ServerUnreachable, match="TLS handshake") as refused:
+            asyncio.run(connect())
+        said["connect, NATS_CA"] = str(refused.value)
+    finally:
+        fake.close()
+    tried = fake.heard[heard_before:]
+    assert len(tried) >= 4, tried  # each path reached the fake server
+    assert all(first.startswith(b"\x16") for first in tried if first), tried  # a TLS record, nothing else
+    assert not [first for first in tried if password.encode() in first or b"CONNECT" in first], tried
+    for path, message in said.items():
+        assert password not in message and "Traceback" not in message, (path, message)
+    assert not [r for r in caplog.records if "encountered error" in r.getMessage()], "only the course's message"
+    monkeypatch.delenv("NATS_URL")
+    monkeypatch.delenv("NATS_CA")
+    monkeypatch.setenv("MSGLAB_STATE_DIR", str(tmp_path / "three"))
+    # Against the real room, join with the plain scheme and the CA saves tls://: later connections start with TLS.
+    join(tls_room.learner_url("alice").replace("tls://", "nats://"), ca_file=ca)
+    assert joined_url() == tls_room.learner_url("alice")

@@ -8,8 +8,10 @@ gets its own server on demand, stopped when the kernel exits.
 A classroom server may speak TLS with a CA of its own (`classroom serve --tls`). Every connection
 the course opens checks the server's certificate (never with verification off) against NATS_CA
 when set (a PEM file, or the PEM itself: the nats CLI's variable), else against the CA `msglab
-join` saved, for that server; otherwise against the system's CAs. `tls_options(url)` gives the
-nats.connect options that do it; `connect` uses them.
+join` saved, for that server; otherwise against the system's CAs. With a room's CA the connection
+starts with the TLS handshake whatever the URL's scheme, so nothing crosses in clear even if
+someone on the path answers with a greeting that does not ask for TLS. `tls_options(url)` gives
+the nats.connect options that do it; `connect` uses them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ CA_VARIABLE = "NATS_CA"
 # A msglab TLS room answers a TLS handshake at once (nats-server's handshake_first, falling back to
 # INFO after 300 ms for clients that wait for it). A client that starts with the handshake sends
 # nothing in clear, and nobody on the path can strip the server's tls_required from its INFO: nats-py
-# upgrades only because INFO asks it to, whatever the URL's scheme.
+# upgrades only because INFO asks it to, whatever the URL's scheme. So whenever a room's CA is known
+# for a server, the course starts with the handshake, nats:// or tls:// alike.
 HANDSHAKE_FIRST = {"tls_handshake_first": True}
 ROOM_CA_NAME = "msglab classroom CA"  # the common name's start of every room's CA: that server is a msglab room
 _PEM = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----")
@@ -93,7 +96,7 @@ def probe(url: str, timeout: float = 1.0) -> None:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as exc:
-        raise ServerUnreachable(f"no NATS server answers at {first} ({exc.strerror or exc})") from exc
+        raise ServerUnreachable(f"no NATS server answers at {masked(first)} ({exc.strerror or exc})") from exc
 
 
 def certificates_in(text: str) -> str:
@@ -153,6 +156,13 @@ def tls_context(pem: str) -> ssl.SSLContext:
                           hint="ask your instructor for the handout again") from exc  # fmt: skip
 
 
+def is_room_ca(context: ssl.SSLContext) -> bool:
+    """Whether `context` trusts a room's CA (`classroom serve --tls`): that server takes the handshake first."""
+    subjects: list[Any] = [cert.get("subject", ()) for cert in context.get_ca_certs()]
+    names = [str(value) for subject in subjects for rdn in subject for key, value in rdn if key == "commonName"]
+    return any(name.startswith(ROOM_CA_NAME) for name in names)
+
+
 def tls_options(url: str | None = None, ca: str | None = None) -> dict[str, Any]:
     """nats.connect options that check `url`'s server against `ca` (PEM; default: trusted_ca), or {}.
 
@@ -162,10 +172,8 @@ def tls_options(url: str | None = None, ca: str | None = None) -> dict[str, Any]
     if not pem:
         return {}
     context = tls_context(pem)
-    subjects: list[Any] = [cert.get("subject", ()) for cert in context.get_ca_certs()]
-    names = [str(value) for subject in subjects for rdn in subject for key, value in rdn if key == "commonName"]
-    if any(name.startswith(ROOM_CA_NAME) for name in names) and (url or "").strip().startswith("tls://"):
-        return {"tls": context, **HANDSHAKE_FIRST}  # a room msglab serves
+    if is_room_ca(context):
+        return {"tls": context, **HANDSHAKE_FIRST}  # a room msglab serves, whatever the URL's scheme
     return {"tls": context}
 
 
@@ -182,15 +190,23 @@ async def connect(url: str | None = None, *, name: str = "msglab", **options: An
     options.setdefault("connect_timeout", 2)
     for key, value in tls_options(url).items():
         options.setdefault(key, value)
-    # nats-py retries a certificate that does not check out like a dropped line: stop at the first.
+    # nats-py retries a failed TLS handshake like a dropped line, printing a traceback each time (its default
+    # error_cb): stop at the first, and say only the course's message.
     refused: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     passed_on = options.get("error_cb") or _default_error_callback
+    connected = False
+    handshake_first = bool(options.get("tls_handshake_first"))
 
     async def error_cb(exc: Exception) -> None:
-        if isinstance(exc, ssl.SSLCertVerificationError) and not refused.done():
-            refused.set_result(exc)
-        if isinstance(exc, ssl.SSLError) and exc.reason == "APPLICATION_DATA_AFTER_CLOSE_NOTIFY":
+        if isinstance(exc, ssl.SSLError) and getattr(exc, "reason", None) == "APPLICATION_DATA_AFTER_CLOSE_NOTIFY":
             return  # a TLS connection closing while the server still writes: nothing was lost that was asked for
+        # A server that does not take the handshake (a greeting in clear instead) times it out or hangs up.
+        handshake = isinstance(exc, ssl.SSLError) or (handshake_first and isinstance(exc, OSError))
+        if not connected and handshake:
+            if not refused.done():
+                refused.set_result(exc)
+            if passed_on is _default_error_callback:
+                return
         await passed_on(exc)
 
     options["error_cb"] = error_cb
@@ -200,14 +216,30 @@ async def connect(url: str | None = None, *, name: str = "msglab", **options: An
         if not connecting.done():
             connecting.cancel()
             await asyncio.wait([connecting])  # gone before we say why (its own error says less)
-            raise refused.result() if refused.done() else TimeoutError()
-        return connecting.result()
+            said = refused.result() if refused.done() else TimeoutError()
+            if isinstance(said, ssl.SSLError) or not refused.done():
+                raise said
+            raise ssl.SSLError(f"no answer to it: {type(said).__name__}") from said
+        nc = connecting.result()
+        connected = True
+        return nc
     except ssl.SSLCertVerificationError as exc:
         raise ServerUnreachable(
             f"the TLS certificate of the server at {masked(url)} does not check out against the CA this course "
             f"trusts for it ({exc.verify_message})",
             hint="join with the handout your instructor gave you (it holds the room's certificate), "
             "or set NATS_CA to the room's ca.pem",
+        ) from exc
+    except ssl.SSLError as exc:
+        raise ServerUnreachable(
+            f"the server at {masked(url)} did not complete a TLS handshake ({getattr(exc, 'reason', None) or exc})"
+            + (
+                "; the course knows a TLS room's CA for it, so nothing went to it in clear"
+                if options.get("tls_handshake_first")
+                else ""
+            ),
+            hint="check the address with your instructor (a room's server always takes the handshake), "
+            "or unset NATS_CA if this is not the room's server",
         ) from exc
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise ServerUnreachable(f"could not open a NATS connection to {masked(url)}: {exc!r}") from exc

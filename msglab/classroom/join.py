@@ -96,34 +96,47 @@ def parse_details(details: str) -> str:
     return text
 
 
-async def _try(url: str, ca: str | None) -> dict[str, Any]:
+async def _try(url: str, ca: str | None, ca_from: str) -> dict[str, Any]:
     import ssl
 
     import nats
 
-    from msglab.broker import probe, tls_options
+    from msglab.broker import HANDSHAKE_FIRST, masked, probe, tls_options
+    from msglab.errors import ServerUnreachable
 
-    probe(url)  # nothing listening: ServerUnreachable, said plainly
+    where = url.split("@")[-1]
+    try:
+        probe(url)
+    except ServerUnreachable as exc:
+        raise ServerUnreachable(f"no classroom server answers at {masked(url)}",
+                                hint="is the room's server running? ask your instructor") from exc  # fmt: skip
     errors: list[Exception] = []
 
     async def quiet(exc: Exception) -> None:  # nats-py would print a traceback for each
         errors.append(exc)
 
-    # With the room's CA: only that CA's certificates pass. Without: the system's CAs (never no check).
-    tls = tls_options(url, ca) if ca else {}
+    # With the room's CA: only that CA's certificates pass, handshake first. Without: the system's CAs (never no
+    # check); a tls:// URL still starts with the handshake, so a greeting that does not ask for TLS gets nothing.
+    tls = tls_options(url, ca) if ca else (dict(HANDSHAKE_FIRST) if url.startswith("tls://") else {})
     try:
         nc = await asyncio.wait_for(nats.connect(url, name="msglab-join", allow_reconnect=False, connect_timeout=3,
                                                  error_cb=quiet, **tls), 8)  # fmt: skip
     except Exception as exc:
         first = errors[0] if errors else exc
-        where = url.split("@")[-1]
         if isinstance(first, ssl.SSLCertVerificationError) or isinstance(exc, ssl.SSLCertVerificationError):
             said = first.verify_message if isinstance(first, ssl.SSLCertVerificationError) else str(exc)
             raise MsglabError(
                 f"the classroom server at {where} speaks TLS, and its certificate does not check out against "
-                f"{'the certificate in your handout' if ca else 'any CA this machine trusts'} ({said})",
+                f"{ca_from if ca else 'any CA this machine trusts'} ({said})",
                 hint="join with the whole file your instructor handed out (it holds the room's certificate), "
                 "or add --ca with the room's ca.pem",
+            ) from exc
+        if isinstance(first, ssl.SSLError) or (tls.get("tls_handshake_first") and isinstance(first, OSError)):
+            why = getattr(first, "reason", None) or f"no answer to it: {type(first).__name__}"
+            raise MsglabError(
+                f"the server at {where} did not complete a TLS handshake ({why}): "
+                "your details name a TLS room, so your password was not sent to it",
+                hint="check the address with your instructor (is the room's server running there?)",
             ) from exc
         said = str(first).strip() or type(first).__name__
         hint = "copy the whole URL your instructor handed out, or ask for it again"
@@ -139,11 +152,13 @@ async def _try(url: str, ca: str | None) -> dict[str, Any]:
 def join(details: str, *, check: bool = True, ca_file: str | None = None) -> str:
     """Save the classroom details (after trying them when `check`); return what to tell the learner.
 
-    `ca_file`: the room's CA certificate, when the details themselves do not hold it.
+    `ca_file`: the room's CA certificate, when the details themselves do not hold it. With a CA known (there, in the
+    handout, in NATS_CA, or saved by an earlier join to the same server) the URL is saved as tls://.
     """
-    from msglab.broker import certificates_in, tls_context
+    from msglab.broker import CA_VARIABLE, certificates_in, is_room_ca, tls_context, trusted_ca
 
     url, ca = parse_handout(details)
+    ca_from = "the certificate in your handout"
     if ca_file:
         try:
             ca = certificates_in(Path(ca_file).expanduser().read_text(encoding="ascii", errors="replace"))
@@ -151,12 +166,21 @@ def join(details: str, *, check: bool = True, ca_file: str | None = None) -> str
             raise MsglabError(f"--ca {ca_file} cannot be read: {exc.strerror or exc}") from exc
         if not ca:
             raise MsglabError(f"--ca {ca_file} holds no PEM certificate", hint="give the room's ca.pem")
+        ca_from = f"the certificate in --ca {ca_file}"
+    known = None if ca else trusted_ca(url)
+    if known and is_room_ca(tls_context(known)):  # a room's CA already known for this server
+        ca = known
+        ca_from = (f"the certificate {CA_VARIABLE} names" if os.environ.get(CA_VARIABLE, "").strip()
+                   else "the certificate saved when you joined this server before")  # fmt: skip
     if ca:
         tls_context(ca)  # a damaged certificate is said now, not at the first lesson
+        if url.startswith("nats://"):
+            # With the room's CA known, every connection is TLS: saved so, a plain URL cannot undo it later.
+            url = "tls://" + url[len("nats://") :]
     told = ""
     if check:
         try:
-            seen = asyncio.run(_try(url, ca))
+            seen = asyncio.run(_try(url, ca, ca_from))
         except MsglabError:
             raise
         except Exception as exc:  # no JetStream on that account: nats' own errors
