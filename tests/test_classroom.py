@@ -870,3 +870,34 @@ def test_a_greeting_without_tls_gets_no_password_from_the_course_once_it_knows_t
     # Against the real room, join with the plain scheme and the CA saves tls://: later connections start with TLS.
     join(tls_room.learner_url("alice").replace("tls://", "nats://"), ca_file=ca)
     assert joined_url() == tls_room.learner_url("alice")
+
+
+def test_joining_a_stopped_room_or_with_another_rooms_ca_says_what_to_do_and_never_the_password(
+    tls_room: Classroom, tmp_path: Path
+) -> None:
+    from msglab.classroom.server import make_certificates
+
+    env = {"MSGLAB_STATE_DIR": str(tmp_path / "state")}
+    stopped = Classroom.create(tmp_path / "stopped", ["alice"], host="127.0.0.1", port=0, monitor_port=0, tls=True)
+    start(stopped).stop()
+    handout = stopped.folder / "learners" / "alice.txt"
+    assert "grades on a fresh server of its own" in handout.read_text()  # what `msglab check` does once joined
+    done = cli(["join", str(handout)], env=env)
+    assert done.returncode == 2 and "no classroom server answers" in done.stderr, done.stderr
+    assert stopped.learners["alice"] not in done.stderr and "alice:***@" in done.stderr, done.stderr
+    assert "ask your instructor" in done.stderr and "msglab server" not in done.stderr, done.stderr
+    # Another room's CA given with --ca: the message names --ca, not the handout.
+    make_certificates(tmp_path / "other-room", ["127.0.0.1"])
+    other = str(tmp_path / "other-room" / "ca.pem")
+    done = cli(["join", tls_room.learner_url("alice"), "--ca", other], env=env)
+    assert done.returncode == 2 and f"--ca {other}" in done.stderr and "handout" not in done.stderr.split("hint")[0]
+    assert tls_room.learners["alice"] not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_msglab_check_on_a_tls_room_without_its_ca_says_only_the_courses_message(
+    tls_room: Classroom, tmp_path: Path
+) -> None:
+    env = {"NATS_URL": tls_room.local_url("bob"), "NATS_CA": "", "MSGLAB_STATE_DIR": str(tmp_path / "nobody")}
+    done = cli(["check", "01"], env=env)
+    assert done.returncode == 2 and "does not check out" in done.stderr, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "encountered error" not in done.stderr, done.stderr

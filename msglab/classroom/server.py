@@ -325,7 +325,11 @@ class Classroom:
                     f"(or set NATS_URL={url} in the shell that runs the course)\n"
                 )
                 command = f"msglab join {url}"
-            text += "Lessons, lab notebooks and `msglab check` then work on your own account of the room's server.\n"
+            text += (
+                "Lessons and lab notebooks then work on your own account of the room's server. `msglab check`\n"
+                "still grades on a fresh server of its own on your machine; to grade on the room's server, set\n"
+                f"NATS_URL=<your URL>{' and NATS_CA=<this file>' if self.tls else ''} in the shell that runs it.\n"
+            )
             _write_private(folder / f"{name}.txt", text)
             rows.append(f"{name},{url},{command}")
         _write_private(self.folder / "handout.csv", "\n".join(rows) + "\n")
