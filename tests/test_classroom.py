@@ -616,6 +616,7 @@ def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
 ) -> None:
     from msglab.broker import connect, server_info
     from msglab.classroom.join import joined_ca, joined_url
+    from msglab.classroom.server import make_certificates
     from msglab.errors import ServerUnreachable
 
     async def streams(**options: Any) -> int:
@@ -647,9 +648,14 @@ def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
     for ca in (str(tls_room.ca_file), tls_room.ca_pem(), str(state / "room-ca.pem")):
         monkeypatch.setenv("NATS_CA", ca)
         assert asyncio.run(streams()) == 0
-    monkeypatch.delenv("NATS_CA")
-    with pytest.raises(ServerUnreachable, match="does not check out"):
-        asyncio.run(streams())
+    monkeypatch.setenv("NATS_URL", tls_room.local_url("bob").replace("tls://", "nats://"))
+    assert asyncio.run(streams()) == 0  # the plain scheme with the room's CA: TLS all the same
+    make_certificates(tmp_path / "other-room", ["127.0.0.1"])
+    for ca in ("", str(tmp_path / "other-room" / "ca.pem")):  # no CA; another room's
+        monkeypatch.setenv("NATS_CA", ca)
+        with pytest.raises(ServerUnreachable, match="does not check out"):
+            asyncio.run(streams())
+    assert not [r for r in caplog.records if "encountered error" in r.getMessage()], "only the course's message"
     # --ca with the bare URL works too.
     done = cli(["join", tls_room.learner_url("bob"), "--ca", str(tls_room.ca_file)],
                env={"MSGLAB_STATE_DIR": str(tmp_path / "bob")})  # fmt: skip
