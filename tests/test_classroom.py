@@ -686,8 +686,14 @@ def test_classroom_serve_tls_hands_out_files_learners_join_with_and_status_reads
         learner01 = next(row for row in done.stdout.splitlines() if row.strip().startswith("learner01"))
         assert learner01.split()[1] == "0", learner01  # its connections, read over TLS as the instructor
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # what a service manager sends: stopped like Ctrl-C
         assert proc.wait(30) == 0
+    from msglab.broker import probe
+    from msglab.errors import ServerUnreachable
+
+    port = text.split("tls://127.0.0.1:")[1].split()[0]
+    with pytest.raises(ServerUnreachable):  # the room's server stopped with it, not left behind
+        probe(f"tls://127.0.0.1:{port}")
 
 
 def test_serve_tls_without_the_cryptography_package_says_what_to_install(tmp_path: Path) -> None:

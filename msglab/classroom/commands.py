@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,10 @@ def _grade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _serve(args: argparse.Namespace) -> int:
     from msglab.classroom.server import Classroom, Limits, advertised, learner_names, start
 
@@ -90,7 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"  monitoring:   {classroom.monitor_url}/jsz?accounts=true   (instructor only: bound to "
           f"{classroom.monitor_host})")  # fmt: skip
     print(f"  status:       msglab classroom status --dir {args.dir}")
-    print(f"  Ctrl-C stops the server; streams stay in {classroom.folder / 'store'} for the next start.", flush=True)
+    print(f"  Ctrl-C stops the server (SIGTERM too); streams stay in {classroom.folder / 'store'} for the next start.",
+          flush=True)  # fmt: skip
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: the server is stopped, not orphaned
     try:
         assert server.proc is not None
         server.proc.wait()
