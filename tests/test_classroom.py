@@ -630,10 +630,11 @@ def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
     monkeypatch.setenv("MSGLAB_STATE_DIR", str(state))
     monkeypatch.delenv("NATS_URL", raising=False)
     monkeypatch.delenv("NATS_CA", raising=False)
-    # The bare URL, without the room's certificate: refused with what to do, nothing saved.
-    done = cli(["join", tls_room.learner_url("alice")], env={"MSGLAB_STATE_DIR": str(state)})
-    assert done.returncode == 2 and "certificate" in done.stderr and "handed out" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and joined_url() is None
+    # The bare URL, without the room's certificate (tls://, or nats:// typed by hand): refused with what to do.
+    for bare in (tls_room.learner_url("alice"), tls_room.learner_url("alice").replace("tls://", "nats://")):
+        done = cli(["join", bare], env={"MSGLAB_STATE_DIR": str(state)})
+        assert done.returncode == 2 and "does not check out against any CA this machine trusts" in done.stderr
+        assert "handed out" in done.stderr and "Traceback" not in done.stderr and joined_url() is None, done.stderr
     # The handout: one step.
     done = cli(["join", str(tls_room.folder / "learners" / "alice.txt")], env={"MSGLAB_STATE_DIR": str(state)})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -856,6 +857,10 @@ def test_a_greeting_without_tls_gets_no_password_from_the_course_once_it_knows_t
         done = cli(["join", plain], env={"MSGLAB_STATE_DIR": str(state)})
         said["join, joined before"] = done.stderr
         assert done.returncode == 2 and "TLS handshake" in done.stderr, done.stdout + done.stderr
+        # The handout's tls:// URL typed by hand, no CA anywhere: handshake first all the same.
+        done = cli(["join", plain.replace("nats://", "tls://")], env={"MSGLAB_STATE_DIR": str(tmp_path / "five")})
+        said["join tls://, no CA"] = done.stderr
+        assert done.returncode == 2 and "TLS handshake" in done.stderr, done.stdout + done.stderr
         # 4. connect() in that joined state with NATS_URL=nats://...
         monkeypatch.setenv("NATS_URL", plain)
         with pytest.raises(ServerUnreachable, match="TLS handshake") as refused:
@@ -870,7 +875,7 @@ def test_a_greeting_without_tls_gets_no_password_from_the_course_once_it_knows_t
     finally:
         fake.close()
     tried = fake.heard[heard_before:]
-    assert len(tried) >= 4, tried  # each path reached the fake server
+    assert len(tried) >= 5, tried  # each path reached the fake server
     assert all(first.startswith(b"\x16") for first in tried if first), tried  # a TLS record, nothing else
     assert not [first for first in tried if password.encode() in first or b"CONNECT" in first], tried
     for path, message in said.items():
