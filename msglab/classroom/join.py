@@ -7,7 +7,9 @@ course's state folder (`.msglab/classroom.json`, or MSGLAB_STATE_DIR; mode 0600)
 
 A TLS room's handout (`tls://...`) also holds the room's CA certificate (or `--ca FILE` names it):
 `join` checks the server against it (never with verification off) and keeps it beside the URL
-(`room-ca.pem`), so every connection the course opens to that server checks it too.
+(`room-ca.pem`), so every connection the course opens to that server checks it too, starting with the
+TLS handshake. With a room's CA known (given, in the handout, or already kept for that server) a
+nats:// URL is saved as tls://: nobody on the path can talk a later connection out of TLS.
 
 From then on `msglab.server_url()` (what lessons and lab notebooks connect to) uses it whenever
 NATS_URL is not set; NATS_URL still wins. `msglab check` grades on a fresh server of its own as
