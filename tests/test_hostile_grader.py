@@ -282,9 +282,7 @@ async def place_order(env, order):
 """
 
 
-def test_msglab_check_keeps_the_seed_off_every_command_line_and_replays_its_keyed_plan(
-    tmp_path: Path, mark: Path
-) -> None:
+def test_msglab_check_keeps_the_seed_off_every_command_line_and_replays_its_plan(tmp_path: Path, mark: Path) -> None:
     from conftest import ROOT, run_cli
     from msglab.grading import nemesis
 
