@@ -26,6 +26,8 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     os.environ["MSGLAB_STATE_DIR"] = tempfile.mkdtemp(prefix="msglab-test-state-")
+    # One fixed fault-plan key: a test's seed draws the same plan on every machine (msglab.grading.nemesis).
+    os.environ.setdefault("MSGLAB_PLAN_KEY", "msglab test suite")
     if not hasattr(config, "workerinput"):  # the controller: its xdist workers inherit the folder
         os.environ[VERDICT_LOG] = tempfile.mkdtemp(prefix="msglab-test-verdicts-")
     _count_grading_runs()
