@@ -657,6 +657,11 @@ def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
         with pytest.raises(ServerUnreachable, match="does not check out"):
             asyncio.run(streams())
     assert not [r for r in caplog.records if "encountered error" in r.getMessage()], "only the course's message"
+    # NATS_CA left set, NATS_URL not: a server the course starts for itself (no TLS) is still reached.
+    monkeypatch.setenv("NATS_CA", str(tls_room.ca_file))
+    monkeypatch.delenv("NATS_URL")
+    with EmbeddedServer() as plain:
+        assert asyncio.run(streams(url=plain.url)) == 0
     # --ca with the bare URL works too.
     done = cli(["join", tls_room.learner_url("bob"), "--ca", str(tls_room.ca_file)],
                env={"MSGLAB_STATE_DIR": str(tmp_path / "bob")})  # fmt: skip

@@ -163,6 +163,26 @@ def is_room_ca(context: ssl.SSLContext) -> bool:
     return any(name.startswith(ROOM_CA_NAME) for name in names)
 
 
+def _room_url(url: str | None) -> bool:
+    """Whether `url` names the room a known room CA is for: tls://, or the server NATS_URL or the join names.
+
+    NATS_CA holds for any server, but the servers msglab starts for itself (a grading run's, a kernel's) speak
+    no TLS: only the room's server is asked for the handshake first.
+    """
+    if not url:
+        return False
+    if url.strip().startswith("tls://"):
+        return True
+    rooms = [os.environ.get("NATS_URL", "")]
+    try:
+        from msglab.classroom.join import joined_url
+
+        rooms.append(joined_url() or "")
+    except ImportError:  # a graded learner process: msglab.classroom sealed
+        pass
+    return _server_of(url) in {_server_of(room) for room in rooms if room}
+
+
 def tls_options(url: str | None = None, ca: str | None = None) -> dict[str, Any]:
     """nats.connect options that check `url`'s server against `ca` (PEM; default: trusted_ca), or {}.
 
@@ -172,7 +192,7 @@ def tls_options(url: str | None = None, ca: str | None = None) -> dict[str, Any]
     if not pem:
         return {}
     context = tls_context(pem)
-    if is_room_ca(context):
+    if is_room_ca(context) and _room_url(url):
         return {"tls": context, **HANDSHAKE_FIRST}  # a room msglab serves, whatever the URL's scheme
     return {"tls": context}
 
