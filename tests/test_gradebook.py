@@ -185,6 +185,7 @@ def test_a_generated_class_is_graded_end_to_end_with_the_right_scores(course: Pa
     points = {lab.name: lab_points(lab) for lab in all_labs()}
     rows = {(row.learner, row.lab.name): row for row in result.rows}
     assert len(rows) == 12 and not result.errors, summary_text(result)
+    assert out.stat().st_mode & 0o077 == 0  # other users (a later run's learner code) cannot list or read it
     for learner, entry in manifest.items():
         for lab, expected in entry["labs"].items():
             row, full = rows[(learner, lab)], points[lab].maximum

@@ -313,7 +313,9 @@ def class_key(out: Path) -> bytes:
         if recorded:
             raise MsglabError(f"{path} is missing, and the verdicts in {out} were graded under plan key {recorded}",
                               hint=again)  # fmt: skip
-        out.mkdir(parents=True, exist_ok=True)
+        if not out.exists():  # only the instructor reads it: learner code graded into it later must not read feedback
+            out.mkdir(parents=True)
+            out.chmod(0o700)
         return nemesis.plan_key(path)
     key = nemesis.read_key(path)
     if key is None:
