@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from conftest import VERDICT_LOG
 from msglab.catalog import all_labs
+from msglab.classroom.points import lab_points
 from msglab.grading.verdict import Verdict
 
 T = TypeVar("T")
@@ -95,6 +96,7 @@ class Case:
     says: tuple[tuple[str, ...], ...] = ()  # texts the verdict must contain: one of each tuple
     teaches: bool = False  # every failure carries its evidence and a hint (the starter's first verdict)
     hinted: frozenset[str] = frozenset()  # check ids with hints (lab.toml's or the platform's); empty: not judged
+    scored: frozenset[str] = frozenset()  # check ids a class's gradebook gives points (lab.toml); empty: not judged
 
     @property
     def id(self) -> str:
@@ -134,6 +136,11 @@ class Case:
         unhinted = {c.name for c in verdict.checks} - self.hinted if self.hinted else set()
         if unhinted:
             return f"{self.id}: checks without [hints.<id>] in lab.toml or the platform's: {sorted(unhinted)}"
+        unscored = {c.name for c in verdict.checks} - self.scored if self.scored else set()
+        if unscored:  # msglab grade would score every verdict of the lab as a grader error
+            return (
+                f"{self.id}: checks without points (a [hints.<id>] or [points] entry in lab.toml): {sorted(unscored)}"
+            )
         return ""
 
 
@@ -160,7 +167,9 @@ def all_cases() -> list[Case]:
     cases = []
     for lab in all_labs():
         cases.append(Case(lab.number, "starter", lab.source(solution=False), passes=False, teaches=True))
-        cases.append(Case(lab.number, "solution", lab.source(solution=True), passes=True, hinted=frozenset(lab.hints)))
+        scored = frozenset(lab_points(lab).points)
+        cases.append(Case(lab.number, "solution", lab.source(solution=True), passes=True, hinted=frozenset(lab.hints),
+                          scored=scored))  # fmt: skip
         folder = VARIANTS / lab.name
         for path in sorted(folder.rglob("*.py")) if folder.is_dir() else []:
             passes, checks = expectation(path)
