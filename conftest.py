@@ -174,6 +174,7 @@ SECONDS = {
     "test_variants_under_load.py": 19.0,  # a lab's known files, four at once under load
     "test_variants.py": 6.0 if os.environ.get("MSGLAB_TEST_DEPTH") == "deep" else 2.5,  # a file on its seeds
     "test_hostile.py": 6.0,
+    "test_reproducible.py": 10.0,  # a wrong file graded twice at once
     "test_demo_idempotency.py": 10.0,
     "test_edition_make_test.py": 30.0,
     "test_classroom.py": 5.0,
