@@ -18,6 +18,7 @@ import pytest
 import msglab.graders.delivery_guarantees as grader
 from msglab.catalog import find_lab
 from msglab.grading.grade import grade
+from msglab.grading.nemesis import plan_seed
 from msglab.grading.verdict import Verdict
 
 VARIANTS = Path(__file__).parent / "variants" / "02_delivery_guarantees"
@@ -63,7 +64,7 @@ def test_batch_worker_is_allowed_exactly_the_duplicates_its_crash_explains(
     # Rule 6: fetch ten, send ten invoices, then ack ten. A kill after the 2nd invoice of a batch
     # leaves every invoice sent so far unacked: all of them come back and go out again, and all
     # are explained by that one crash.
-    seed = next(s for s in range(1, 50) if ("after_work", 2) in grader.Plan.draw(s).crashes)
+    seed = next(s for s in range(1, 50) if ("after_work", 2) in grader.Plan.draw(plan_seed(s)).crashes)
     verdict = grade("02", source=VARIANTS / "also_right" / "batch_acks_after_batch.py", seed=seed)
     assert verdict.passed, verdict.to_text()
     [lab] = runs
@@ -141,7 +142,7 @@ def test_failing_run_replays_from_its_seed(no_nats_url: None) -> None:
     # replay is judged by the plan and by the mistake it shows.
     first = grade("02", source=VARIANTS / "ack_before_work.py", seed=11)
     again = grade("02", source=VARIANTS / "ack_before_work.py", seed=11)
-    assert first.seed == again.seed == 11 and grader.Plan.draw(11) == grader.Plan.draw(11)
+    assert first.seed == again.seed == 11  # one plan: drawn from plan_seed(11) (tests/test_hostile_grader.py)
     for verdict in (first, again):
         assert "at-most-once" in failure(verdict, "no_lost_invoices").message, verdict.to_text()
 

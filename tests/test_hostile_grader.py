@@ -143,15 +143,15 @@ def test_a_plan_rebuilt_from_the_seed_is_not_the_graders(
     def graders_draws(plan_seed: int) -> list[float]:
         return [nemesis.rng(plan_seed, s).random() for s in ("crash_order", "crash_calls", "final_order", "outage")]
 
-    # The control: plans from the seed alone, as before. The learner's process rebuilds the grader's exactly.
-    monkeypatch.setattr(nemesis, "KEYED_PLANS", False)
-    assert not _graded(LABS["02"], mark, trick, seed=seed).passed
+    # The control: plans from the seed alone, as before keys. The learner's process rebuilds the grader's exactly.
+    with monkeypatch.context() as unkeyed:
+        unkeyed.setattr(nemesis, "plan_seed", lambda seed: seed)
+        assert not _graded(LABS["02"], mark, trick, seed=seed).passed
     assert drawn == [seed] and _rebuilt(mark)["draws"] == graders_draws(seed)
     for name in os.listdir(mark):
         os.unlink(mark / name)
     drawn.clear()
     # Keyed: the same seed replays the same plan on this installation, and the learner's rebuild is wrong.
-    monkeypatch.setattr(nemesis, "KEYED_PLANS", True)
     assert not _graded(LABS["02"], mark, trick, seed=seed).passed
     seen = _rebuilt(mark)
     assert drawn == [nemesis.plan_seed(seed)] and drawn[0] != seed
@@ -284,6 +284,7 @@ async def place_order(env, order):
 
 def test_msglab_check_keeps_the_seed_off_every_command_line_and_replays_its_plan(tmp_path: Path, mark: Path) -> None:
     from conftest import ROOT, run_cli
+    from msglab.graders.request_reply_vs_events import Plan
     from msglab.grading import nemesis
 
     seed, decoy, text = 864213, 864214, f"keytext-{secrets.token_hex(8)}"
@@ -315,6 +316,13 @@ def test_msglab_check_keeps_the_seed_off_every_command_line_and_replays_its_plan
         waiting.wait()
     placed = [{s["order"]["id"]: s["order"]["sku"] for s in seen} for seen in runs]
     assert placed[0] and placed[0] == placed[1], placed  # the same plan, replayed
+
+    def skus(plan: Plan) -> dict[str, str]:
+        return {order.id: order.sku for order in plan.orders if order.id in placed[0]}
+
+    assert placed[0] == skus(Plan.draw(nemesis.plan_seed(seed, nemesis.key_from_text(text))))
+    assert placed[0] != skus(Plan.draw(seed)), "the seed alone predicted the plan"
+    assert placed[0] != skus(Plan.draw(nemesis.plan_seed(seed, nemesis.key_from_text("another installation"))))
     for seen in (s for run in runs for s in run):
         assert seen["decoy"] and seen["grader"] and seen["environs"], seen  # the controls: it reads argv and environs
         assert seen["seed"] == [] and seen["env"] == [], seen  # no command line carries the seed

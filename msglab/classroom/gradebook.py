@@ -11,8 +11,8 @@ worker's, the server's, the learner processes') is measured in the worker.
 
 Seeds are salted: a random salt by default, so learners cannot replay their graded faults before
 the deadline, written to OUT/grading.json and printed; grading into the same OUT again reuses it.
-Plans are keyed (once nemesis.KEYED_PLANS is on): a run's faults come from its seed and the class's plan
-key, OUT/plan.key, made on the first grading into OUT and readable by the instructor's user alone; its id is
+Plans are keyed: a run's faults come from its seed and the class's plan key (msglab.grading.nemesis),
+OUT/plan.key, made on the first grading into OUT and readable by the instructor's user alone; its id is
 in grading.json. A regrade reproduces the verdicts where OUT/plan.key is the same (the same OUT, or a
 copy of it on another machine); another key draws other faults from the same seeds.
 
@@ -572,7 +572,11 @@ def feedback_text(learner: str, rows: list[Row]) -> str:
         if row.verdict.passed:
             lines.append(f"  replay this exact run: {row.verdict.replay_command()}")
         lines.append("")
-    lines.append("Replay a run on your own machine with the command under its lab (same file, same faults).")
+    lines.append(
+        "The command under a lab replays its run where your class was graded: the faults come from the seed "
+        "and your instructor's plan key. On your own machine the same command runs the same checks under "
+        "other faults."
+    )
     return "\n".join(lines) + "\n"
 
 

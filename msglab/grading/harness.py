@@ -302,8 +302,9 @@ class Run:
         self.grader = grader
         self.source = source
         self.public_seed = seed  # printed with the verdict, typed to replay it
-        # What the grader draws its plan from: the seed under this installation's key (nemesis.plan_seed).
-        self.seed = nemesis.plan_seed(seed) if nemesis.KEYED_PLANS else seed
+        # What the grader draws its plan from: the seed under the plan key (nemesis.plan_seed), so the
+        # public seed alone predicts nothing; never handed to learner processes.
+        self.seed = nemesis.plan_seed(seed)
         self.ready_timeout = ready_timeout
         self.log = EffectLog()
         self.handlers: dict[str, EffectHandler] = {}

@@ -10,11 +10,11 @@ planned faults fired; a run whose faults did not fire cannot pass (see msglab.gr
 
 A seed is public (it is printed with every verdict), and this module's code is importable by
 learner code, so a plan drawn from the seed alone could be rebuilt by the learner's process. A run
-draws its plan from `plan_seed(seed)` instead (once KEYED_PLANS is on): an HMAC of the seed under a
-key of this installation (`plan_key`: the file var/plan.key, readable only by the grader's user and
-made on first use, or the text in $MSGLAB_PLAN_KEY, which a class gradebook and the test suite set
-and no learner process inherits). The same seed under the same key gives the same plan, so replays
-reproduce; under another key, another plan.
+draws its plan from `plan_seed(seed)` instead: an HMAC of the seed under a key of this installation
+(`plan_key`: the file var/plan.key, readable only by the grader's user and made on first use, or the
+text in $MSGLAB_PLAN_KEY, which a class gradebook and the test suite set and no learner process
+inherits). The same seed under the same key gives the same plan, so replays reproduce; under another
+key, another plan.
 
 What holds: when the grader is root, learner code runs as a user of its own and cannot read the
 key (nor the grader's memory or environment: learner processes are forks of a nursery that never
@@ -59,9 +59,6 @@ def rng(seed: int, stream: str) -> random.Random:
 
 
 KEY_BYTES = 32
-# Whether runs draw plans from plan_seed(seed) (harness.Run.seed). Off until lab 06's guessed_delay fails on
-# every plan: it passes 3 of its 4 seeds under the test suite's key (and plain seeds 4 and 5 today).
-KEYED_PLANS = False
 # The plan key as text, read before var/plan.key (class gradebooks, the test suite). Not on the sandbox's
 # allow-list (sandbox.LEARNER_ENV), so no learner process is started with it.
 KEY_VARIABLE = "MSGLAB_PLAN_KEY"
