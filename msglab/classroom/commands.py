@@ -134,7 +134,10 @@ def _autograder(args: argparse.Namespace) -> int:
     archive = build_bundle(Path(args.out), labs, wheelhouse=wheels, visibility=args.visibility, salt=args.salt)
     print(f"Gradescope autograder for labs {', '.join(lab.number for lab in labs)}: {archive}")
     config = json.loads((Path(args.out) / "autograder" / "msglab-autograder.json").read_text())
-    print(f"  seeds salted with {config['salt']!r}: regrade elsewhere with `msglab grade --salt {config['salt']}`")
+    print(
+        f"  seeds salted with {config['salt']!r}, faults drawn under the bundle's own plan key: keep this bundle"
+        " (its msglab-autograder.json) to regrade a submission under the same faults"
+    )
     print("  upload it as the assignment's autograder (base image: Ubuntu 24.04); learners submit their lab files")
     return 0
 
