@@ -43,6 +43,7 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
+import functools
 import importlib
 import json
 import os
@@ -54,7 +55,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Set
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +131,17 @@ def _stop_descendants() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _reap(ctl: socket.socket | None, ours: set[int] | None = None, over: Set[int] = frozenset()) -> None:
+def _past(watch: tuple[str, int | None, tuple[str, ...]] | None) -> bool:
+    """Whether a watched run's folder is past its bound now."""
+    return watch is not None and over_bound(*written(*watch))
+
+
+def _reap(ctl: socket.socket | None, ours: set[int] | None = None, over: Set[int] = frozenset(),
+          past: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Collect every ended child; tell the grader about the ones it spawned (those the watch stopped for
-    the folder's bound as ended by SIGXFSZ, the file size limit's own signal: limit_hit names it)."""
+    the folder's bound as ended by SIGXFSZ, the file size limit's own signal: limit_hit names it; so is one
+    SIGKILLed while the folder is past its bound, before the watch looked: on a loaded machine the kernel
+    can kill a writer that filled memory with the folder's pages first)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -143,7 +152,7 @@ def _reap(ctl: socket.socket | None, ours: set[int] | None = None, over: Set[int
         if ctl is not None and ours is not None and pid in ours:
             ours.discard(pid)
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            if pid in over:
+            if pid in over or (code == -signal.SIGKILL and past()):
                 code = -signal.SIGXFSZ
             with contextlib.suppress(OSError):
                 ctl.send(json.dumps({"exit": pid, "code": code}).encode())
@@ -236,7 +245,7 @@ def _zygote(ctl: socket.socket) -> None:
                     _stop_descendants()
             if wake_r in ready:
                 os.read(wake_r, 4096)
-                _reap(ctl, ours, over)
+                _reap(ctl, ours, over, functools.partial(_past, watch))
             if ctl.fileno() not in ready:
                 continue
             try:
