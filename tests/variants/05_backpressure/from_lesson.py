@@ -10,7 +10,7 @@ under the budget while the queue already holds more work than the budget: those 
 those waits can stay within it.) Its publish has no timeout of its own and no id: when the stream's
 confirmation is lost, the customer waits nats-py's 5 s default, on every seed and under load.
 Expect: fail stored_once
-Says: stored it and sent no confirmation
+Says: waited for an answer that never came
 """
 
 import json
