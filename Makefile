@@ -36,7 +36,7 @@ lab: $(RUNTIME)
 	$(BIN)/msglab lab
 
 # Static checks first (seconds), then every test and notebook against real servers. DEPTH=quick
-# grades each known lab file on one of its seeds (another each commit); DEPTH=deep (CI) on all of them.
+# grades each known lab file on one of its seeds (another each commit); DEPTH=deep on all of them.
 DEPTH ?= quick
 test: $(DEV)
 	$(BIN)/ruff check --no-cache msglab tests scripts conftest.py

@@ -37,7 +37,7 @@ LOAD_SEED = 11  # every file's fifth seed, graded with every core busy (tests/te
 
 # How much of the known files' seeds and plans a run of the suite covers. `quick` (what `make test`
 # runs): each file on one of its four seeds, a share of the files under load and of the hostile corpus,
-# chosen by the round; `deep` (what CI runs, `make test DEPTH=deep`): every seed, every file under load,
+# chosen by the round; `deep` (`make test DEPTH=deep`): every seed, every file under load,
 # every hostile case. A round is the commit checked out, so a rerun on the same commit grades the same
 # plans (a failure replays) and every commit turns to other seeds; MSGLAB_TEST_ROUND picks one.
 DEPTH = os.environ.get("MSGLAB_TEST_DEPTH", "quick")

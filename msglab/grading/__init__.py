@@ -58,7 +58,7 @@ Rules every grader follows (modules 04-08 copy them):
    or are lower bounds that load cannot break; upper bounds are generous deadlines.
 9. Every rule has wrong variants (tests/variants/NN_x/*.py, each naming the check it must fail)
    and correct alternatives written differently (tests/variants/NN_x/also_right/), graded over
-   at least 5 seeds in the test suite (four of each file's own, one with every core busy; CI's deep
+   at least 5 seeds in the test suite (four of each file's own, one with every core busy; a deep
    run grades them all, a quick `make test` one seed a file, another each commit).
 
 The lab pattern (modules 04-08 copy it):
