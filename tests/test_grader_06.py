@@ -169,3 +169,51 @@ def test_the_playground_refuses_the_first_order_for_a_while_and_the_solution_par
     assert len(applied) == 12, applied  # 4 orders of 3 events, each applied once
     held = applied[-1].split()[0]  # the order on hold: everyone else went first, then its events in order
     assert applied[-3:] == [f"{held} 1", f"{held} 2", f"{held} 3"], applied
+
+
+def _rescaled(applies: list[tuple[int, str, float, float]]) -> Any:
+    """A shop whose order o-1 straddles the rescale (created, paid with n=2; shipped with n=3), applied as listed:
+    (seq, worker, start, end)."""
+    events = [oe.Event("o-1", s, k, "c") for s, k in enumerate(("created", "paid", "shipped"), 1)]
+    ledger = oe.Ledger(events)
+    ledger.log += [
+        oe.Applied("o-1", seq, events[seq - 1].kind, worker, start, end) for seq, worker, start, end in applies
+    ]
+    return SimpleNamespace(
+        ledger=ledger,
+        layout={("o-1", 1): 2, ("o-1", 2): 2, ("o-1", 3): 3},
+        events={(e.key, e.seq): e for e in events},
+        run=SimpleNamespace(log=SimpleNamespace(events=lambda *kinds: [])),
+        trace=lambda key: [],
+    )
+
+
+def test_a_new_owner_that_starts_before_the_old_layout_finished_the_order_fails_whoever_the_broker_served_first() -> (
+    None
+):
+    from msglab.graders.partition_keys import _order_check, _owner_check, _rescale_check
+
+    waited = _rescaled([(1, "old", 0.0, 0.1), (2, "old", 0.1, 0.3), (3, "new", 0.4, 0.5)])
+    assert _owner_check(waited).passed and _rescale_check(waited, {"o-1"}).passed
+    # The same mistake (the new layout did not wait), three ways the race can go: the new owner's apply runs
+    # alongside the old one's, or before it started, or the old owner's paid ends first though it started later.
+    during = _rescaled([(1, "old", 0.0, 0.1), (3, "new", 0.15, 0.16), (2, "old", 0.1, 0.3)])
+    before = _rescaled([(1, "old", 0.0, 0.04), (3, "new", 0.05, 0.06), (2, "old", 0.2, 0.4)])
+    for shop in (during, before):
+        check = _owner_check(shop)
+        assert not check.passed and "held by two workers at once" in check.message, check.message
+        assert "worker new began applying o-1's shipped (event 3)" in check.message, check.message
+    assert "still applying its paid" in _owner_check(during).message
+    assert "published with n=2, was applied: worker old" in _owner_check(before).message
+    # The inversion across the layouts is the rescale's mistake, not per_key_order's.
+    assert not _rescale_check(before, {"o-1"}).passed and _order_check(before, exclude=set()).passed
+
+
+def test_an_inversion_within_one_layout_is_per_key_order_s_also_for_an_order_that_straddles_the_rescale() -> None:
+    from msglab.graders.partition_keys import _order_check, _owner_check, _rescale_check
+
+    # paid applied, then created redelivered after it (one old worker, a crash's redelivery behind its next event)
+    late = _rescaled([(2, "old", 0.0, 0.1), (1, "old", 0.2, 0.3), (3, "new", 0.4, 0.5)])
+    check = _order_check(late, exclude=set())
+    assert not check.passed and "created (event 1) applied by worker old after its paid" in check.message
+    assert _rescale_check(late, {"o-1"}).passed and _owner_check(late).passed
