@@ -217,3 +217,21 @@ def test_an_inversion_within_one_layout_is_per_key_order_s_also_for_an_order_tha
     check = _order_check(late, exclude=set())
     assert not check.passed and "created (event 1) applied by worker old after its paid" in check.message
     assert _rescale_check(late, {"o-1"}).passed and _owner_check(late).passed
+
+
+def test_the_burst_waits_until_every_new_worker_asked_again_after_an_empty_fetch_or_ended() -> None:
+    from msglab.graders.partition_keys import Slot, _idle_or_gone
+    from msglab.grading.observe import BrokerWatch, Pull
+
+    running: Any = SimpleNamespace(alive=True, died=None, returned=False)
+    slots = [Slot(p, 3, 2, child=running) for p in range(3)]
+    watch = BrokerWatch("S", "*")
+    watch.pulls = [Pull(10.0, 1, 0.2, True, "_INBOX.a"), Pull(10.3, 1, 0.2, True, "_INBOX.a")]  # a asked again
+    watch.pulls += [Pull(10.0, 1, 0.2, True, "_INBOX.b")]  # b's fetch has not run out yet
+    assert not _idle_or_gone(watch, 9.0, slots)
+    watch.pulls += [Pull(10.25, 1, 0.2, True, "_INBOX.b"), Pull(10.1, 1, 0.2, True, "_INBOX.c")]
+    assert not _idle_or_gone(watch, 9.0, slots)  # c has not asked again
+    assert not _idle_or_gone(watch, 10.2, slots)  # what came before `since` is no evidence
+    returned: Any = SimpleNamespace(alive=False, died=None, returned=True)
+    slots[2].child = returned
+    assert _idle_or_gone(watch, 9.0, slots)  # c's worker returned: it will not ask again
