@@ -26,7 +26,7 @@ LABS = all_labs()
 # Most attacks hit every lab (in a deep run; a quick one, its share of them this round: verdicts.DEPTH);
 # the others (see Attack.every_lab) hit one, the labs taking turns.
 ONE_LAB = [attack for attack in ATTACKS if not attack.every_lab]
-QUICK_SHARE = 4  # a quick run sends an every-lab attack at about one lab in four
+QUICK_SHARE = 8  # a quick run sends an every-lab attack at about one lab in eight
 
 
 def _targets(attack: Attack) -> list[Lab]:
