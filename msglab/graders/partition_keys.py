@@ -248,15 +248,16 @@ class Shop:
             self.rejected.append(self.run.record_effect(child, "rejected", key, seq=event.seq))
             raise Refuse("OrderRejected", rejected_text(event))
         start = time.monotonic()
-        await asyncio.sleep(event.work * SCALE + self.slowed(child, event))
+        await asyncio.sleep(event.work * SCALE + self.slowed(event))
         self.ledger.apply(event, str(child.pid), start=start)
         self.run.record_effect(child, "apply", key, seq=event.seq, step=event.kind)
 
-    def slowed(self, child: Child, event: Event) -> float:
-        """The extra time an apply takes: HOLD_STEP for the old layout's events while the hold lasts."""
-        slot = self.owners.get(str(child.pid))
-        busy = slot is not None and slot.n == 2 and time.monotonic() < self.held_until
-        return HOLD_STEP if busy and self.layout.get((event.key, event.seq)) == 2 else 0.0
+    def slowed(self, event: Event) -> float:
+        """The extra time an apply takes: HOLD_STEP for the old layout's events while the hold lasts, whichever
+        worker applies them (where every worker takes any event, the broker's choice of worker must not decide
+        whether an order's old event is still being applied when its new one is handed out)."""
+        held = time.monotonic() < self.held_until
+        return HOLD_STEP if held and self.layout.get((event.key, event.seq)) == 2 else 0.0
 
     async def on_resolved(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> bool:
         return not (self.poison is not None and key == self.poison.key and not self.resolved_at)
@@ -458,8 +459,11 @@ async def grade(run: Run) -> list[Check]:
             def settled() -> int:
                 return sum(any(a.stream_seq == s and a.kind in ("ack", "term") for a in watch.acks) for s in later)
 
+            def returned() -> bool:  # every new worker chose to stop (none is replaced): nothing more will move
+                return all(s.child is not None and s.child.returned for s in three)
+
             await moving(
-                lambda: shop.applied(others) and bool(shop.rejected) and settled() == len(later),
+                lambda: returned() or (shop.applied(others) and bool(shop.rejected) and settled() == len(later)),
                 lambda: (shop.count(others), bool(shop.rejected), settled()),  # a refusal met again is no progress
                 POISON_WINDOW,
             )
@@ -470,7 +474,7 @@ async def grade(run: Run) -> list[Check]:
                 await wait(lambda: slot.child is not None and slot.child.pid in shop.asked, PHASE_DEADLINE)
             shop.resolved_at = time.time()
             mine = {(e.key, e.seq) for e in burst if e.key == shop.poison.key}
-            await moving(lambda: shop.applied(mine), functools.partial(shop.count, mine), POISON_WINDOW)
+            await moving(lambda: returned() or shop.applied(mine), functools.partial(shop.count, mine), POISON_WINDOW)
         async with phase("late event"):
             # A worker that met the refusal just before the resolution may die of it only now: it is replaced
             # while the durables drain, so what stays stuck never depends on when its death was seen.
@@ -479,7 +483,8 @@ async def grade(run: Run) -> list[Check]:
             drained_info = await _undrained(run, stream)
             since = max([a.ts for a in watch.acks] or [time.time()])
             alive = [s.child for s in three if s.child is not None]
-            await wait(lambda: watch.refetched_after_idle(since) is not None, IDLE_DEADLINE)
+            # A worker that ended asks no more: when all have, the idle gap has nothing left to show.
+            await wait(lambda: watch.refetched_after_idle(since) is not None or all(map(gone, alive)), IDLE_DEADLINE)
             refetch, late_at = watch.refetched_after_idle(since), time.time()
             await shop.publish([late], 3, "late")
             await wait(lambda: shop.applied({(late.key, late.seq)}) or all(map(gone, alive)), LATE_DEADLINE)
