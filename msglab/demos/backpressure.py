@@ -421,7 +421,7 @@ class Shop:
         """Two queues get the same import of `orders`: eight quick workers drain one, a single worker taking
         `slow_work` s an order the other. The clock starts before the imports, so no order's age runs ahead
         of it; sampled for `seconds` after the workers start, and on until the quick queue is empty and for
-        as long again as it took (at most 30 s more: a loaded machine is slow, not wrong), so the slow
+        as long again as it took (at most 60 s more: a loaded machine is slow, not wrong), so the slow
         queue's age is past the quick one's highest however slow the machine. `marks["workers start"]`."""
         fast, slow = Series("eight quick workers"), Series(f"one worker, {slow_work:g} s an order")
         for name in ("fast", "slow"):
@@ -448,7 +448,7 @@ class Shop:
             now = fast.t[-1]
             if emptied is None and fast.depth[-1] == 0:
                 emptied = now
-            if (emptied is not None and now - started >= max(seconds, emptied)) or now - started > seconds + 30:
+            if (emptied is not None and now - started >= max(seconds, emptied)) or now - started > seconds + 60:
                 break
         chart.marks = {"workers start": started}
         chart.draw(force=True)
