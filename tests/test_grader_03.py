@@ -60,8 +60,8 @@ def test_solution_passes_and_every_planned_event_happened(no_nats_url: None, evi
     assert verdict.passed, verdict.to_text()
     assert CHECKS | {"faults_fired", "no_unplanned_deaths"} == {c.name for c in verdict.checks}
     ev = evidence["ev"]
-    for point, pid in ev.plan.crashed:
-        assert sum("(SIGKILL, injected)" in step for step in ev.traces[pid]) == 1, (point, ev.traces[pid])
+    for point, pid in ev.plan.crashed:  # at least once: under load a redelivery can meet a second crash point
+        assert sum("(SIGKILL, injected)" in step for step in ev.traces[pid]) >= 1, (point, ev.traces[pid])
     race = ev.traces[ev.plan.race]
     assert sum("held there until a second worker" in step for step in race) == 2
     assert any("both workers let go at once" in step for step in race)
