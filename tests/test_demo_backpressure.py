@@ -36,7 +36,9 @@ def test_the_same_import_drains_at_two_speeds(no_nats_url: None) -> None:
     same = run(lambda shop: shop.same_depth(orders=200, seconds=0.5))
     quick, slow = same.series
     assert quick.depth[0] == slow.depth[0] == 200
-    assert quick.depth[-1] == 0 and slow.depth[-1] > 190
+    # Most of the slow import still waits: how much its one worker did depends on how long the quick
+    # queue took, which a loaded machine stretches (at a load average of 20 it finished 15).
+    assert quick.depth[-1] == 0 and slow.depth[-1] > 150
     # Sampled until the slow queue's age is past the quick one's highest, however slow the machine.
     assert 0 < same.marks["workers start"] < quick.t[-1] and max(quick.age) < slow.age[-1]
 
