@@ -138,8 +138,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Keep what must share a worker on one xdist worker (`--dist loadgroup`), longest work first.
 
     A notebook's cells run in order in one kernel, so each notebook is one group; the CPU-load
-    module is one group, so only one set of spinners runs; the browser tests run on two JupyterLabs,
-    each a group, the lessons shared between them by size. A lesson the browser test runs (all its
+    module is one group, so only one set of spinners runs; the browser tests run on BROWSER_LABS
+    JupyterLabs, each a group, the lessons shared between them by size. A lesson the browser test runs (all its
     cells, in JupyterLab) is not run again under nbval in the same session. The groups that take
     longest go to the workers first, so none starts last and finishes alone (pyproject keeps xdist
     from reordering them by test count).
@@ -216,18 +216,26 @@ def _skip_lessons_the_browser_runs(config: pytest.Config, items: list[pytest.Ite
         items[:] = [i for i in items if i not in set(twice)]
 
 
+BROWSER_LABS = 3  # with two, each ran about 4.5 min of lessons, the longest path through a run
+# Seconds a lesson took in the browser during a full run (2 Dec 2026); a lesson not listed counts
+# 2.5 s a code cell. Only how they compare matters: it shares the lessons out evenly.
+BROWSER_SECONDS = {"00": 41, "01": 73, "02": 60, "03": 41, "04": 107, "05": 100, "06": 63}
+
+
 def _browser_groups(tests: list[pytest.Item]) -> dict[str, str]:
-    """Two JupyterLabs, each a group on a worker of its own: lessons shared out biggest first (by code
-    cells, which track a lesson's run time) to the lighter one; the self-tests go with the lighter."""
+    """BROWSER_LABS JupyterLabs, each a group on a worker of its own: lessons shared out longest first (by
+    BROWSER_SECONDS) to the lightest one; the self-tests go with the lightest."""
     import json
 
-    def cells(item: pytest.Item) -> int:
+    def cells(item: pytest.Item) -> float:
         lesson = ROOT / "lessons" / f"{_lesson_of(item)}.ipynb"
         if not lesson.is_file():
-            return 10  # a self-test: about a small lesson's time
-        return sum(c.get("cell_type") == "code" for c in json.loads(lesson.read_text()).get("cells", []))
+            return 15  # a self-test
+        if lesson.stem[:2] in BROWSER_SECONDS:
+            return BROWSER_SECONDS[lesson.stem[:2]]
+        return 2.5 * sum(c.get("cell_type") == "code" for c in json.loads(lesson.read_text()).get("cells", []))
 
-    load = [0, 0]
+    load = [0.0] * BROWSER_LABS
     groups = {}
     for item in sorted(tests, key=lambda i: (-cells(i), i.nodeid)):
         lab = load.index(min(load))
