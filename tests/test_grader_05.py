@@ -89,6 +89,22 @@ def test_a_lost_confirmation_is_settled_by_a_retry_the_stream_recognises(no_nats
     assert "answered BUSY, but the stream holds it" in told_busy.message
 
 
+def test_a_lost_confirmation_meets_an_intake_that_refuses_for_a_while_first(no_nats_url: None) -> None:
+    # A cool-down refuses every order for 0.4 s after the age falls back: a fault planned on an order named beforehand
+    # met a refusal on a fast machine and a publish on a slow one (stored_once "could not be tested" in 2 gradings of 4,
+    # seed 167). Landing on the first publish in the silence, both faults fire and the retry is judged every time.
+    verdict = grade("05", source=VARIANTS / "lingering_busy.py", seed=167)
+    assert {c.name for c in verdict.failures} == {"refuses_only_over_budget"}, verdict.to_text()
+
+
+def test_a_monitor_counting_the_stream_s_first_message_is_caught_on_the_deep_young_queue(no_nats_url: None) -> None:
+    # The first cancellation is clearly over the budget's age before the import lands, so the status such a monitor
+    # gives the deep young queue is ERROR on every run (it was OK or ERROR by when the samples landed, seed 58).
+    verdict = grade("05", source=VARIANTS / "age_of_stream_first.py", seed=58)
+    fooled = failure(verdict, "not_fooled_by_depth")
+    assert "Deep but fast" in fooled.message and "age_tracks_truth" in fooled.hint, verdict.to_text()
+
+
 def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url: None) -> None:
     # Lesson 05's own cells (BUSY only once the age is over the budget): the orders accepted while the age was still
     # under it wait about k times the budget; a forecast (the solution) keeps the promise on the same seed.

@@ -86,9 +86,13 @@ DEEP, SHALLOW = 100, 5  # a deep queue holds at least this many orders; a shallo
 CALL_DEADLINE = 3.0  # after this the grader declares a call hung and stops the process (calls take ms)
 SAMPLE_GAP = 0.05  # pause between two monitor samples
 ORDER_GAP = 0.02  # pause between two orders placed by the customers
-RUSH_GAP = 0.015  # ... in phase 2 (the rush): orders come 2-5 times as fast as the slow worker finishes them
+# ... in phase 2 (the rush): orders come 2-5 times as fast as the slow worker finishes them. Counted from the last
+# placement, a gap of 15 ms let an idle machine place 60 a second (5.5 times the worker: the README's bound, which
+# the learner's margin of budget / 4 relies on); 20 ms keeps the 45-50 a second an answer plus 15 ms used to give.
+RUSH_GAP = 0.02
 WORK_SLOW = 0.08  # seconds the one worker of phase 2 spends on an order
 PROMISE_TOL = 0.25  # an order accepted in the rush may be finished this long after the budget, not later
+SETTLE_MARGIN = 0.25  # the slow worker stays until each order accepted in the rush is acked, or this far past that
 RUSH_REFUSALS = 10  # the rush goes on until the intake has refused this many orders (or PHASE_CAP)
 SPARE = BUDGET / 2  # a refusal is needless when every order ahead of it was finished within this ...
 YOUNG = BUDGET / 10  # ... and the oldest of them had waited at most this (a margin of the age is the learner's)
@@ -790,15 +794,32 @@ async def _lose_confirmation(lab: Lab, kind: str) -> None:
         )
 
 
+def _allowed_wait(acks: list[float]) -> float:
+    """How long the promise lets an order of the rush wait, from the times its slow worker acked (sorted).
+
+    Load must not change the verdict (rule 8): a machine that starves the slow worker after an order was
+    accepted stretches every wait by the same factor, which no forecast made at acceptance could know.
+    The budget counts as the time the promise allows at the pace the worker really kept.
+    """
+    pace = (acks[-1] - acks[0]) / (len(acks) - 1) if len(acks) > 2 else WORK_SLOW
+    return BUDGET * max(1.0, pace / WORK_SLOW) + PROMISE_TOL
+
+
 def _rush_settled(lab: Lab) -> bool:
-    """Every order accepted in the rush is acked, or was answered longer ago than the promise allows."""
+    """Every order accepted in the rush is acked, or was answered clearly longer ago than the promise allows.
+
+    Clearly (SETTLE_MARGIN past the wait allowed at the worker's pace so far): cut at the bare budget, an order
+    a busy machine's slow pace allowed longer was judged on when the grader stopped waiting (kept, or broken,
+    by a few ms), not on what the worker did.
+    """
+    rush = [p for p in lab.placed if p.phase == "over capacity" and p.outcome == ACCEPTED]
+    if not rush:
+        return True
+    start = min(p.a for p in rush)
+    acks = sorted(h.ack_sent for h in lab.pool.seen.values() if start <= h.ack_sent < math.inf)
     acked = {h.order_id for h in lab.pool.seen.values() if math.isfinite(h.ack_sent)}
-    now = time.time()
-    return all(
-        p.order_id in acked or now - p.b > BUDGET + PROMISE_TOL
-        for p in lab.placed
-        if p.phase == "over capacity" and p.outcome == ACCEPTED
-    )
+    now, allowed = time.time(), _allowed_wait(acks)
+    return all(p.order_id in acked or now - p.b > allowed + SETTLE_MARGIN for p in rush)
 
 
 async def _stop(tasks: list[asyncio.Task[Any]], patience: float = CALL_DEADLINE + 2) -> None:
@@ -1296,14 +1317,11 @@ def _promise_check(lab: Lab, truth: Truth) -> Check:
         h = first[p.order_id]
         return min(h.ack_sent, lab.rush_end) - h.ts
 
-    # Load must not change the verdict (rule 8): a machine that starves the slow worker after an order was
-    # accepted stretches every wait by the same factor, which no forecast made at acceptance could know.
-    # The budget counts as the time the promise allows at the pace the worker really kept.
     start = min(p.a for p in rush)
     acks = sorted(o.ack_sent for o in truth.orders if start <= o.ack_sent <= lab.rush_end)
+    allowed = _allowed_wait(acks)  # the budget at the pace the worker really kept (rule 8)
     pace = (acks[-1] - acks[0]) / (len(acks) - 1) if len(acks) > 2 else WORK_SLOW
     slowdown = max(1.0, pace / WORK_SLOW)
-    allowed = BUDGET * slowdown + PROMISE_TOL
     late = [p for p in rush if waited(p) > allowed]
     if not late:
         return Check(name, title, True)
