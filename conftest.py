@@ -226,6 +226,7 @@ def _browser_groups(tests: list[pytest.Item]) -> dict[str, str]:
     """BROWSER_LABS JupyterLabs, each a group on a worker of its own: lessons shared out longest first (by
     BROWSER_SECONDS) to the lightest one; the self-tests go with the lightest."""
     import json
+    import math
 
     def cells(item: pytest.Item) -> float:
         lesson = ROOT / "lessons" / f"{_lesson_of(item)}.ipynb"
@@ -235,7 +236,8 @@ def _browser_groups(tests: list[pytest.Item]) -> dict[str, str]:
             return BROWSER_SECONDS[lesson.stem[:2]]
         return 2.5 * sum(c.get("cell_type") == "code" for c in json.loads(lesson.read_text()).get("cells", []))
 
-    load = [0.0] * BROWSER_LABS
+    # As many JupyterLabs as there are about two minutes of lessons for, at most BROWSER_LABS.
+    load = [0.0] * max(1, min(BROWSER_LABS, math.ceil(sum(map(cells, tests)) / 120)))
     groups = {}
     for item in sorted(tests, key=lambda i: (-cells(i), i.nodeid)):
         lab = load.index(min(load))

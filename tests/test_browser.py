@@ -1,5 +1,8 @@
 """A real browser runs every lesson in the course's own JupyterLab, as a learner would after `make lab`.
 
+A deep run (verdicts.DEPTH) takes every lesson; a quick one (`make test`) about one in three, another
+share each commit, and nbval runs the others headless (conftest.py), so every run executes every lesson.
+
 One JupyterLab (started by msglab.jupyter, as `make lab` does, but with throwaway config, runtime,
 settings and workspace folders) and one real nats-server serve every lesson. Debian's Chromium,
 driven by Playwright, opens each lesson, runs all cells and checks what a learner would see:
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from verdicts import this_round
 
 from msglab.broker.server import EmbeddedServer
 from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
@@ -36,7 +40,8 @@ CHROMIUM_ARGS = [
 ]  # fmt: skip
 SCREENSHOTS = ROOT / "var" / "screenshots"
 SELFTEST = ROOT / "var" / "browser-selftest"  # inside the course root, so JupyterLab can open it
-LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
+QUICK_SHARE = 3  # a quick run opens about one lesson in three in the browser
+LESSONS = this_round(sorted((ROOT / "lessons").glob("*.ipynb")), QUICK_SHARE, lambda path: path.stem)
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 READY_TIMEOUT_MS = 120_000  # a kernel's first start on a busy 2-core machine
 RUN_TIMEOUT_MS = 240_000  # a whole lesson, grader runs included; pytest-timeout is the outer bound
