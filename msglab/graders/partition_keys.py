@@ -439,6 +439,9 @@ async def grade(run: Run) -> list[Check]:
             everything = {(e.key, e.seq) for e in orders}
             await moving(lambda: shop.applied(everything), functools.partial(shop.count, everything), PHASE_DEADLINE)
         async with phase("poison"):
+            # The old workers stop once what they applied is acked: stopped between an apply and its ack, a
+            # worker left its last event stuck on a durable nobody pulls any more (all_acked, 1 grading in 2).
+            await wait(functools.partial(_acks_settled, run, stream), STALL)
             await shop.stop(two)
             # The burst comes once every new-layout worker met its empty partition and asked again (or ended):
             # a worker that returns when idle is then gone on every run, never only when it lost a race.
@@ -562,6 +565,11 @@ def _idle_or_gone(watch: Any, since: float, slots: list[Slot]) -> bool:
         asked += one.refetched_after_idle(since) is not None
     ended = sum(1 for slot in slots if slot.child is None or gone(slot.child))
     return asked + ended >= len(slots)
+
+
+async def _acks_settled(run: Run, stream: str) -> bool:
+    """No durable on the stream has a delivered event waiting for its ack."""
+    return not any(info.num_ack_pending for info in await run.js.consumers_info(stream) if info.config.durable_name)
 
 
 async def _consumers_drained(run: Run, stream: str) -> bool:
