@@ -103,6 +103,9 @@ def test_a_monitor_counting_the_stream_s_first_message_is_caught_on_the_deep_you
     verdict = grade("05", source=VARIANTS / "age_of_stream_first.py", seed=58)
     fooled = failure(verdict, "not_fooled_by_depth")
     assert "Deep but fast" in fooled.message and "age_tracks_truth" in fooled.hint, verdict.to_text()
+    # Its intake, measuring that age, refuses every order: refusals that prove nothing earn nothing (they passed
+    # refuses_over_budget when one met phase 1's queue late on a slow machine: seed 57, 1 grading in 2).
+    assert "refused every order" in failure(verdict, "refuses_over_budget").message, verdict.to_text()
 
 
 def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url: None) -> None:
