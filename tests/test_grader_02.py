@@ -96,7 +96,9 @@ def test_acking_only_the_last_of_a_batch_is_an_unexplained_duplicate(no_nats_url
     verdict = grade("02", source=VARIANTS / "acks_last_of_batch.py", seed=1)
     check = failure(verdict, "duplicates_only_after_crash")
     times = int(re.search(r"went out (\d+) times", check.message).group(1))  # type: ignore[union-attr]
-    assert sum("invoice sent" in step for step in check.trace) == times
+    shown = sum("invoice sent" in step for step in check.trace)
+    # A long trace keeps its first and last lines around a "…" (under load the invoice went out 14 times).
+    assert shown == times or ("…" in check.trace and 0 < shown < times), check.trace
 
 
 ONLY = [  # (variant, seed, the checks it fails): what each variant says lives in its Says lines
