@@ -19,6 +19,10 @@ CASES = this_round([case for case in all_cases() if not case.passes], QUICK_SHAR
 # Files whose verdict still depends on a race no grader forces yet: graded all the same (an XPASS shows
 # a fix), each with what flips and why, until its grader judges it from the plan alone.
 KNOWN_RACES = {
+    "04-retry_loop_without_wait": "its tight loop holds the line as long as its 20 tries take: past line_keeps_moving's"
+    " 0.35 s bound only on a loaded machine (seed 181: 1 grading in 2, in a full run with six workers)",
+    "04-retries_at_once": "how many immediate redeliveries fit in the provider's 0.5 s outage is the machine's pace:"
+    " transient_delivered lost o-10 in 1 grading of 2 (seed 59, a full run at a load average of 20)",
     "05-age_of_stream_first": "not_fooled_by_depth samples the monitor while the deep queue drains: whether a"
     " sample lands in the 'deep but fast' moment is timing (seed 58: 1 grading in 2)",
     "05-lingering_busy": "whether o-0105 meets the planned lost confirmation or a BUSY answer depends on the rush's"
