@@ -328,10 +328,10 @@ def test_one_lesson_run_three_times_at_once_on_one_classroom_server(room: Classr
     for name in ("alice", "bob", "cy"):
         env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "MSGLAB_SERVER_VERSION")}
         env.update(NATS_URL=room.local_url(name), MSGLAB_STATE_DIR=str(tmp_path / f"state-{name}"))
-        # -n 1: conftest.py's xdist grouping expects a worker (it cannot run with -n 0 as it stands).
+        # Executed as nbconvert does (an error in any cell fails it): a kernel each, no pytest around it.
         runs.append(subprocess.Popen(
-            [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-cell-timeout=120", "-p", "no:cacheprovider",
-             "-n", "1", "-q", str(lesson)],
+            [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
+             str(tmp_path / name), "--ExecutePreprocessor.timeout=120", str(lesson)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))  # fmt: skip
     said = [run.communicate(timeout=600)[0] for run in runs]
