@@ -27,19 +27,18 @@ KNOWN_RACES = {
     " sample lands in the 'deep but fast' moment is timing (seed 58: 1 grading in 2)",
     "05-lingering_busy": "whether o-0105 meets the planned lost confirmation or a BUSY answer depends on the rush's"
     " pace: stored_once 'could not be tested' (seed 167: 2 gradings in 4)",
-    "06-returns_when_idle": "whether a new-layout worker meets an empty fetch (and returns) before the poison burst"
-    " is published is a race: then the burst is lost too (seed 161: 2 or 6 failed checks)",
-    "06-shared_durable": "every worker pulls from one durable, so which worker takes an event is the broker's"
-    " dispatch; one whose apply the held partition slows past ack_wait gets it redelivered to a third worker"
-    " (no_extra_duplicates, seed 73: 1 grading in 10)",
+    "06-shared_durable": "every worker pulls from one durable, so the broker decides whether the refused order's"
+    " later events reach the worker that met the refusal (it parks them) or another (which applies them early):"
+    " parked_key_resumes_in_order, seed 71: 1 grading pair in 3; under heavy load a slowed apply also outlasts"
+    " ack_wait and no_extra_duplicates flips",
+    "06-serial_max_ack_pending_one": "one durable for every worker, as 06-shared_durable: the broker's dispatch of the"
+    " refused order's later events flips parked_key_resumes_in_order (seed 196: 1 grading pair in 3)",
 }
 
 
 # Labs whose judgements still follow the machine's timing: their files are graded, not yet held to it.
 IN_FLUX = {
     "05": "grader 05's rush is paced by load; its other files may flip on seeds not measured yet",
-    "06": "lab 06's rescale overlap is a race between workers (from_lesson_rescale, seed 133: one_owner_per_key in 1"
-    " grading of 2); its files are graded, not yet held to it",
 }
 
 
