@@ -530,7 +530,7 @@ def test_a_tls_room_takes_a_learner_who_has_its_ca_and_no_client_without_it(tls_
     other = tls_context((tmp_path / "other-room" / "ca.pem").read_text())
     assert "CERTIFICATE_VERIFY_FAILED" in asyncio.run(_refusal(url, tls=other))
     block = tls_room.config()["tls"]  # required of every client; a client may start with the handshake
-    assert "allow_non_tls" not in block and block["handshake_first"] == "2s", block
+    assert "allow_non_tls" not in block and block["handshake_first"] == "1s", block
     # What was written: the CA key for the instructor alone, a server certificate naming the room's addresses.
     folder = tls_room.folder / "tls"
     for key in ("ca-key.pem", "server-key.pem"):

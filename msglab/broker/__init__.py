@@ -32,7 +32,7 @@ from msglab.errors import MsglabError, ServerUnreachable
 
 CA_VARIABLE = "NATS_CA"
 # A msglab TLS room answers a TLS handshake at once (nats-server's handshake_first, falling back to
-# INFO after 2 s for clients that wait for it). A client that starts with the handshake sends
+# INFO after 1 s for clients that wait for it). A client that starts with the handshake sends
 # nothing in clear, and nobody on the path can strip the server's tls_required from its INFO: nats-py
 # upgrades only because INFO asks it to, whatever the URL's scheme. So whenever a room's CA is known
 # for a server, the course starts with the handshake, nats:// or tls:// alike.

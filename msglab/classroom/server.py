@@ -253,11 +253,12 @@ class Classroom:
     def tls_block(self) -> dict[str, Any]:
         folder = self.folder / "tls"
         # No allow_non_tls: TLS is required of every client. handshake_first: a client may start with
-        # the TLS handshake (the course's do, msglab.broker.tls_options), others get INFO after 2 s (at
-        # 300 ms, a course client on a loaded machine was still starting its handshake when INFO came).
+        # the TLS handshake (the course's do, msglab.broker.tls_options), others get INFO after 1 s: at
+        # 300 ms a course client on a loaded machine was still starting its handshake when INFO came; at
+        # 2 s a client waiting for INFO hit its own 2 s connect timeout (msglab.broker.connect).
         # timeout: a handshake on a busy laptop can take longer than nats-server's default.
         return {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"),
-                "handshake_first": "2s", "timeout": 5}  # fmt: skip
+                "handshake_first": "1s", "timeout": 5}  # fmt: skip
 
     def tls_names(self) -> list[str]:
         """The names the server certificate holds: the advertised address and this machine's loopback."""
