@@ -186,7 +186,7 @@ SECONDS = {
 # Single tests far longer than their file's others (a full quick run, 2 Dec 2026): started first, so
 # none of them is left running alone at the end.
 LONG = {
-    "test_the_editions_make_test_is_green_in_a_fresh_venv": 110.0,
+    "test_the_editions_make_test_is_green_in_a_fresh_venv": 40.0,
     "test_one_lesson_run_three_times_at_once_on_one_classroom_server": 60.0,
     "test_lesson_00_runs_on_a_tls_room_joined_from_its_handout": 80.0,
     "test_the_grader_grades_every_lab_on_every_python_present": 75.0,
