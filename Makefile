@@ -40,14 +40,18 @@ venv: $(RUNTIME)
 lab: $(RUNTIME)
 	$(BIN)/msglab lab
 
-# Static checks first (seconds), then every test and notebook against real servers. DEPTH=quick
-# grades each known lab file on one of its seeds (another each commit); DEPTH=deep on all of them.
+# ruff first (a second), then every test and notebook against real servers, with mypy beside them
+# (a dozen seconds of one core; its report follows pytest's; both must pass). DEPTH=quick grades
+# a share of the known lab files, each on one of its seeds (another share each commit); DEPTH=deep
+# all of them on all their seeds.
 DEPTH ?= quick
 test: $(DEV)
 	$(BIN)/ruff check --no-cache msglab tests scripts conftest.py
 	$(BIN)/ruff format --no-cache --check msglab tests scripts conftest.py
-	$(BIN)/mypy
-	MSGLAB_TEST_DEPTH=$(DEPTH) $(BIN)/python -m pytest
+	@typing=$$(mktemp); $(BIN)/mypy > $$typing 2>&1 & mypy=$$!; \
+	MSGLAB_TEST_DEPTH=$(DEPTH) $(BIN)/python -m pytest; tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy: $$(cat $$typing)"; rm -f $$typing; \
+	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 bench: $(DEV)
 	$(BIN)/python scripts/bench.py
