@@ -251,8 +251,9 @@ def _browser_groups(tests: list[pytest.Item]) -> dict[str, str]:
             return BROWSER_SECONDS[lesson.stem[:2]]
         return 2.5 * sum(c.get("cell_type") == "code" for c in json.loads(lesson.read_text()).get("cells", []))
 
-    # As many JupyterLabs as there are about two minutes of lessons for, at most BROWSER_LABS.
-    load = [0.0] * max(1, min(BROWSER_LABS, math.ceil(sum(map(cells, tests)) / 120)))
+    # As many JupyterLabs as there are about 2.5 minutes of lessons for (each costs about 20 s of CPU to
+    # start), at most BROWSER_LABS.
+    load = [0.0] * max(1, min(BROWSER_LABS, math.ceil(sum(map(cells, tests)) / 150)))
     groups = {}
     for item in sorted(tests, key=lambda i: (-cells(i), i.nodeid)):
         lab = load.index(min(load))

@@ -14,7 +14,7 @@ from msglab.classroom.points import lab_points, score
 from msglab.grading.grade import grade
 from msglab.grading.verdict import Verdict
 
-QUICK_SHARE = 12  # a quick run regrades about one wrong file in twelve (another share each commit); a deep run, all
+QUICK_SHARE = 24  # a quick run regrades about one wrong file in 24 (another share each commit); a deep run, all
 CASES = this_round([case for case in all_cases() if not case.passes], QUICK_SHARE, lambda case: case.id)
 # Files whose verdict still depends on a race no grader forces yet: graded all the same (an XPASS shows
 # a fix), each with what flips and why, until its grader judges it from the plan alone.
