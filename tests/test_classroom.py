@@ -8,6 +8,7 @@ one account (what a shared server without accounts is) mostly succeed: the attac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -846,9 +847,10 @@ def test_a_greeting_without_tls_gets_no_password_from_the_course_once_it_knows_t
     monkeypatch.delenv("NATS_CA", raising=False)
     try:
         # Control: a client that knows no CA sends its password in clear to this greeting (the attack is real).
-        with pytest.raises(Exception):  # noqa: B017 (nats-py's errors for a server that hangs up vary)
+        # How nats-py gives up on a server that hangs up varies (an error it reports, or one it raises).
+        with contextlib.suppress(Exception, asyncio.CancelledError):
             asyncio.run(_refusal(plain))
-        assert password.encode() in fake.heard[-1], fake.heard
+        assert fake.heard and password.encode() in fake.heard[-1], fake.heard
         said: dict[str, str] = {}
         heard_before = len(fake.heard)
         # 1. msglab join nats://... --ca ca.pem
