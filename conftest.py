@@ -54,7 +54,8 @@ def _count_grading_runs() -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # The whole protocol, so a module fixture's gradings count too (test_variants_under_load.py's).
     before = _graded[0]
     try:
         return (yield)
