@@ -191,7 +191,6 @@ LONG = {
     "test_one_lesson_run_three_times_at_once_on_one_classroom_server": 60.0,
     "test_lesson_00_runs_on_a_tls_room_joined_from_its_handout": 80.0,
     "test_the_grader_grades_every_lab_on_every_python_present": 75.0,
-    "test_the_edition_notebooks_run_in_nbval": 60.0,
     "test_a_starter_that_passes_its_lab_stops_the_release": 35.0,
     "test_the_autograder_bundle_runs_in_a_platform_shaped_folder": 35.0,
     "test_a_generated_class_is_graded_end_to_end_with_the_right_scores": 30.0,

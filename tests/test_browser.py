@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from verdicts import this_round
+from verdicts import DEPTH, ROUND, this_round
 
 from msglab.broker.server import EmbeddedServer
 from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
@@ -453,6 +453,13 @@ def selftest_dir() -> Iterator[Path]:
         SELFTEST.rmdir()
 
 
+# The checker's own tests (a notebook known good, one known bad): every other quick run, every deep run.
+CHECK_THE_CHECKER = pytest.mark.skipif(
+    DEPTH == "quick" and ROUND % 2 == 1, reason="a quick run checks the browser checker itself every other commit"
+)
+
+
+@CHECK_THE_CHECKER
 def test_checker_passes_a_good_notebook(course: Course, selftest_dir: Path) -> None:
     """A notebook with a widget, a JetStream call and an expected error passes; its kernel used the course's server."""
     (selftest_dir / "good.ipynb").write_text(_notebook(GOOD_CELLS))
@@ -469,6 +476,7 @@ def test_checker_passes_a_good_notebook(course: Course, selftest_dir: Path) -> N
     assert "after the expected error" in run.state["cells"][6]["outputs"][0]["text"]
 
 
+@CHECK_THE_CHECKER
 def test_checker_flags_an_error(course: Course, selftest_dir: Path) -> None:
     """A cell that raises is reported, so are the cells Run All then skipped, and so is a broken widget."""
     (selftest_dir / "bad.ipynb").write_text(_notebook(BAD_CELLS))

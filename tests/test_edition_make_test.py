@@ -4,10 +4,10 @@ The venv is new (`python -m venv`), the edition installed into it (editable, as 
 to stay fast and offline, the packages come from this checkout's venv through a path file instead
 of a download (the same pinned versions: the edition's pyproject.toml is the course's). Its
 Makefile's install steps are the course's own (`make lab` is tested in test_make_lab.py), so their
-stamps are set and `make test` runs the edition's test command itself: here lesson 00 under nbval
-(every other lesson is the instructor's byte for byte, which the suite runs) and a lab's starter
-failing with a teaching message (one lab a quick run, another each commit; every lab a deep one).
-About 25 s on 2 cores, idle.
+stamps are set and `make test` runs the edition's test command itself: here lesson 00 and lab 01's
+notebook under nbval (every other notebook is the instructor's byte for byte, which the suite runs) and
+a lab's starter failing with a teaching message (one lab a quick run, another each commit; every lab a
+deep one). About 30 s on 2 cores, idle.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_the_editions_make_test_is_green_in_a_fresh_venv(tmp_path: Path, no_nats
     # lab each commit (the same starters are graded in this suite's own tests), a deep run every one.
     labs = [lab.name for lab in all_labs(edition)]
     starters = labs if DEPTH == "deep" else [labs[ROUND % len(labs)]]
-    tests = "lessons/00_setup_and_first_contact.ipynb tests/test_edition.py"
+    lab_notebook = sorted(edition.glob("labs/*/lab.ipynb"))[0].relative_to(edition)
+    tests = f"lessons/00_setup_and_first_contact.ipynb {lab_notebook} tests/test_edition.py"
     if DEPTH != "deep":
         tests += f" -k '{starters[0]} or ipynb'"
     done = subprocess.run(["make", "test", f"TESTS={tests}"],
