@@ -114,8 +114,9 @@ def test_a_worker_that_outlives_ack_wait_has_its_event_applied_twice_even_with_m
     stalled = run(lambda shop: shop.shared(EVENTS, workers=2, max_ack_pending=1, stall=1.2))
     first = EVENTS[0]
     applied = stalled.extra[f"{first.key}'s events applied (event, worker)"]
-    # The broker handed the event to w2 after ack_wait; w1, quiet but alive, applied it again last.
-    assert applied[0] == (first.kind, "w2") and applied[-1] == (first.kind, "w1")
+    # The broker handed the event to w2 after ack_wait; w1, quiet but alive, applied it again later (after
+    # w2's later events of the order when idle; under load it can come before some of them).
+    assert applied[0] == (first.kind, "w2") and (first.kind, "w1") in applied[1:]
     assert stalled.report.duplicates == 1 and stalled.report.missing == 0
 
 
