@@ -22,16 +22,19 @@ WHEELS  ?= var/wheelhouse
 
 .PHONY: lab test bench venv wheelhouse release clean
 
-$(RUNTIME): pyproject.toml
+define new_venv
 	@if [ -z "$(PYTHON)" ]; then echo "msglab needs Python 3.11 or newer; found: $$(python3 --version 2>&1)"; exit 2; fi
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+endef
+
+$(RUNTIME): pyproject.toml
+	$(new_venv)
 	$(PIP) -e .
 	@touch $@
 
 # One pip run for both (a second resolve costs seconds): on a fresh machine `make test` comes here first.
 $(DEV): pyproject.toml
-	@if [ -z "$(PYTHON)" ]; then echo "msglab needs Python 3.11 or newer; found: $$(python3 --version 2>&1)"; exit 2; fi
-	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(new_venv)
 	$(PIP) -e '.[dev]'
 	@touch $(RUNTIME) $@
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from verdicts import DEPTH, ROUND, this_round
+from verdicts import in_this_round, this_round
 
 from msglab.broker.server import EmbeddedServer
 from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
@@ -455,7 +455,7 @@ def selftest_dir() -> Iterator[Path]:
 
 # The checker's own tests (a notebook known good, one known bad): every other quick run, every deep run.
 CHECK_THE_CHECKER = pytest.mark.skipif(
-    DEPTH == "quick" and ROUND % 2 == 1, reason="a quick run checks the browser checker itself every other commit"
+    not in_this_round("the browser checker", 2), reason="a quick run checks the browser checker every other commit"
 )
 
 

@@ -19,7 +19,7 @@ import sysconfig
 import venv
 from pathlib import Path
 
-from verdicts import DEPTH, ROUND
+from verdicts import DEPTH, one_this_round
 
 from conftest import ROOT
 from msglab.broker.server import find_server_binary
@@ -50,7 +50,7 @@ def test_the_editions_make_test_is_green_in_a_fresh_venv(tmp_path: Path, no_nats
     # The edition grades its starters one after another: a quick run (verdicts.DEPTH) has it grade one, another
     # lab each commit (the same starters are graded in this suite's own tests), a deep run every one.
     labs = [lab.name for lab in all_labs(edition)]
-    starters = labs if DEPTH == "deep" else [labs[ROUND % len(labs)]]
+    starters = one_this_round(labs)
     lab_notebook = sorted(edition.glob("labs/*/lab.ipynb"))[0].relative_to(edition)
     tests = f"lessons/00_setup_and_first_contact.ipynb {lab_notebook} tests/test_edition.py"
     if DEPTH != "deep":

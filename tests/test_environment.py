@@ -164,12 +164,12 @@ def grader_venv(python: str, version: str) -> Path:
 
 def _pythons_this_round() -> list[str]:
     """Every other Python in a deep run; in a quick one, one of those present, another each commit."""
-    from verdicts import DEPTH, ROUND
+    from verdicts import DEPTH, one_this_round
 
     if DEPTH == "deep":
         return list(PYTHONS)
     others = [v for v in PYTHONS if sys.version_info[:2] != tuple(map(int, v.split("."))) and find_python(v)]
-    return [others[ROUND % len(others)]] if others else list(PYTHONS)
+    return one_this_round(others) if others else list(PYTHONS)
 
 
 @pytest.mark.parametrize("version", _pythons_this_round())

@@ -84,6 +84,11 @@ def this_round(items: list[T], share: int, name: Callable[[T], str] = str) -> li
     return kept or items[ROUND % len(items) :][:1]
 
 
+def one_this_round(items: list[T]) -> list[T]:
+    """Every item in a deep run; in a quick one, exactly one, the next each round."""
+    return list(items) if DEPTH == "deep" else items[ROUND % len(items) :][:1]
+
+
 @dataclass(frozen=True)
 class Case:
     """One file of one lab and the verdict it must get."""
