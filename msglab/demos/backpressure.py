@@ -548,7 +548,7 @@ class Shop:
         try:
             for n in counts:
                 await scaler.set(concurrency=n)
-                await asyncio.sleep(0.15)  # the workers get going
+                await self._holding(n)  # every worker has an order before the window opens
                 t0, done0 = await self._processed()
                 await asyncio.sleep(window)
                 t1, done1 = await self._processed()
@@ -556,6 +556,15 @@ class Shop:
         finally:
             await scaler.set(concurrency=0)
         return result
+
+    async def _holding(self, workers: int, give_up: float = 3.0) -> None:
+        """Wait until `workers` orders are out unacked on the durable (each worker holds one), at most `give_up` s:
+        on a loaded machine the workers take longer to get going, and a window opened earlier undercounts them."""
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline:
+            if (await self.js.consumer_info(STREAM, DURABLE)).num_ack_pending >= workers:
+                return
+            await asyncio.sleep(0.01)
 
     async def in_flight(self, workers: int, max_ack_pending: int | None, slots: int, work: float,
                         seconds: float = 0.8) -> dict[str, float]:  # fmt: skip
