@@ -702,7 +702,7 @@ class Lost:
     planned: Planned
     order_id: str  # the order of the first publish the silence met; "" while none did
     attempts: list[float] = field(default_factory=list)  # when the grader saw each publish of it on the subject
-    lifted: float = math.inf  # when the stream answered again
+    lifted: float = math.inf  # when the grader asked the stream to answer again (nothing later is in the silence)
 
 
 LOST_WORDS = {
@@ -774,8 +774,10 @@ async def _lose_confirmation(lab: Lab, kind: str) -> None:
             if lost.order_id:  # until the order is stored (its confirmation was never sent), or was settled
                 await run.wait_for(stored if kind == "reply" else settled, CALL_DEADLINE + 1)
         finally:
-            await run.js.update_stream(original)
+            # Stamped before the stream opens: a retry it stores at once is after the silence, however late
+            # this process runs again.
             lost.lifted = time.time()
+            await run.js.update_stream(original)
     if placing:
         await asyncio.wait(placing.values(), timeout=CALL_DEADLINE + 2)
     with contextlib.suppress(Exception):
