@@ -48,6 +48,10 @@ lab: $(RUNTIME)
 # a share of the known lab files, each on one of its seeds (another share each commit); DEPTH=deep
 # all of them on all their seeds.
 DEPTH ?= quick
+# Bytecode is cached in var/pycache whatever the environment says: with PYTHONDONTWRITEBYTECODE set (and
+# pip's --no-compile) each of a run's hundreds of Python processes compiled the same modules again.
+test: export PYTHONDONTWRITEBYTECODE =
+test: export PYTHONPYCACHEPREFIX = $(CURDIR)/var/pycache
 test: $(DEV)
 	$(BIN)/ruff check --no-cache msglab tests scripts conftest.py
 	$(BIN)/ruff format --no-cache --check msglab tests scripts conftest.py
@@ -79,4 +83,4 @@ release: $(RUNTIME)
 	$(BIN)/msglab release --out $(OUT) --replace $(RELEASE_FLAGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache var/pycache
