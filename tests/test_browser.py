@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from verdicts import in_this_round, this_round
+from verdicts import in_this_round, one_this_round
 
 from msglab.broker.server import EmbeddedServer
 from msglab.jupyter import LabProcess, free_port, lab_command, lab_env, start_lab, write_settings
@@ -40,8 +40,8 @@ CHROMIUM_ARGS = [
 ]  # fmt: skip
 SCREENSHOTS = ROOT / "var" / "screenshots"
 SELFTEST = ROOT / "var" / "browser-selftest"  # inside the course root, so JupyterLab can open it
-QUICK_SHARE = 7  # a quick run opens about one lesson in seven in the browser (at least one)
-LESSONS = this_round(sorted((ROOT / "lessons").glob("*.ipynb")), QUICK_SHARE, lambda path: path.stem)
+# A quick run opens one lesson in the browser, the next each commit (nbval runs the others); a deep run, all.
+LESSONS = one_this_round(sorted((ROOT / "lessons").glob("*.ipynb")))
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 READY_TIMEOUT_MS = 120_000  # a kernel's first start on a busy 2-core machine
 RUN_TIMEOUT_MS = 240_000  # a whole lesson, grader runs included; pytest-timeout is the outer bound
