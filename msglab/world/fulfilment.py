@@ -14,7 +14,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -89,8 +89,8 @@ class Fulfilment:
     stalls them (an order in hand is finished). `slots` bounds the calls to the warehouse API that
     run at once (0: no bound). An order whose id is in `stuck` is held, unacked, by the worker that
     took it until `release()`; with `progress`, that worker tells the broker every `progress`
-    seconds that it is still on it (so a short ack_wait never redelivers it). `seen` records when
-    each order was stored and acked.
+    seconds that it is still on it (so a short ack_wait never redelivers it), and `on_hold` hears the
+    order's id. `seen` records when each order was stored and acked.
     """
 
     def __init__(self, js: Any, stream: str, durable: str, *, slots: int = 0, progress: float = 0.0) -> None:
@@ -111,6 +111,7 @@ class Fulfilment:
         self._release = asyncio.Event()
         self.closed = False
         self.parked = False  # the fetcher waits for a free worker: no fetch of ours is under way
+        self.on_hold: Callable[[str], None] | None = None  # told the id of each stuck order a worker holds
 
     async def start(self, workers: int = 2, work: float = 0.0) -> Fulfilment:
         self.sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
@@ -193,6 +194,8 @@ class Fulfilment:
                 record = self.seen[seq] = Handled(seq, meta.timestamp.timestamp(), order_id(msg.data))
             if record.order_id in self.stuck:
                 self.held.append(msg)
+                if self.on_hold is not None:
+                    self.on_hold(record.order_id)
                 await self._hang(msg)
             if self.slots is not None:
                 async with self.slots:  # the warehouse API takes this many calls at once
@@ -216,7 +219,8 @@ class Fulfilment:
             if not self.progress:
                 await self._release.wait()
                 return
+            # "Still on it", at once and then every `progress` s: the broker does not deliver it again. At once,
+            # since on a loaded machine the delivery can have waited in this process for much of ack_wait.
+            await msg.in_progress()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._release.wait(), self.progress)
-            if not self._release.is_set():
-                await msg.in_progress()  # "still on it": the broker does not deliver it again
