@@ -190,6 +190,17 @@ class BrokerWatch:
         """Every ack-family message sent for that stream sequence, in order."""
         return [a for a in self.acks if a.stream_seq == stream_seq]
 
+    def sent(self, stream_seq: int) -> list[tuple[int, float]]:
+        """Every delivery the server made of that stream sequence: (which delivery, when), in order."""
+        found = []
+        for reply, ts in self.deliveries.items():
+            tokens = reply.split(".")
+            at = 4 if len(tokens) == 9 else 6  # as in _on_ack
+            with contextlib.suppress(IndexError, ValueError):
+                if int(tokens[at + 1]) == stream_seq:
+                    found.append((int(tokens[at]), ts))
+        return sorted(found, key=lambda d: d[1])
+
     def refetched_after_idle(self, since: float) -> Pull | None:
         """A pull request sent by the same connection after an earlier one (sent after `since`) had
         waited out its `expires` with nothing acked in between.
