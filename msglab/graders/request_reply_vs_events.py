@@ -73,7 +73,9 @@ LEARNER_SUBJECTS = ["orders.>", "email.>", "emails.>"]
 LEARNER_REQUESTS = [INVENTORY, LOYALTY_ASK]
 REQUEST_TIMEOUT = 0.8  # env.request_timeout: not nats-py's default (0.5 s), so a missing timeout shows
 SILENT_MIN = REQUEST_TIMEOUT - 0.01  # giving up on a silent inventory sooner than this ignores the timeout
-SILENT_MAX = REQUEST_TIMEOUT + 0.7  # generous for a busy machine; asking twice goes over it
+# Waiting far longer than env.request_timeout: a timeout of its own. Asking twice is judged by the requests the
+# inventory received, not by the time: a loaded machine stretched one 0.8 s request to 1.66 s.
+SILENT_MAX = 3 * REQUEST_TIMEOUT
 DOWN_MAX = REQUEST_TIMEOUT + 1.0  # nobody listening is known at once; generous for a busy machine
 ACCEPT_MAX = 1.5  # an accepted order must not take longer than this (generous: it takes milliseconds)
 WAITED_ON_LOYALTY = 0.3  # returning this long after loyalty got its request is waiting for loyalty
@@ -1050,13 +1052,14 @@ def _refuses_inventory_silent(ev: Evidence) -> Check:
             hint="wait for the inventory's answer exactly env.request_timeout seconds "
             "(a request without a timeout of its own gives up after nats-py's default, 0.5 s)",
         )
-    if check.passed and order.elapsed > SILENT_MAX:
+    if check.passed and (len(received) > 1 or order.elapsed > SILENT_MAX):
+        asked = f"the inventory received {len(received)} requests about it, and " if len(received) > 1 else ""
         return Check(
             name,
             title,
             False,
-            f"{order.id} was {situation}: place_order raised InventoryUnavailable after {order.elapsed:.2f} s "
-            f"(allowed {SILENT_MAX:.1f} s): the customer waited longer than env.request_timeout.",
+            f"{order.id} was {situation}: {asked}place_order raised InventoryUnavailable after {order.elapsed:.2f} s: "
+            "the customer waited longer than env.request_timeout.",
             trace=ev.trace(order.id),
             hint="give up once env.request_timeout has passed, and do not ask again in place_order",
         )
