@@ -208,9 +208,10 @@ async def _worker_main(config: dict[str, Any]) -> None:
     from msglab.world.fulfilment import Fulfilment
 
     nc = await nats.connect(config["url"], name="lesson05-worker", **tls_options(config["url"]))
-    # A stuck worker tells the broker it is still on its order three times an ack_wait: never redelivered.
+    # A stuck worker tells the broker it is still on its order ten times an ack_wait: never redelivered, even when
+    # a loaded machine holds the process for a few tenths of a second (at three times an ack_wait, it was).
     pool = Fulfilment(nc.jetstream(), config["stream"], config["durable"], slots=config["slots"],
-                      progress=config["ack_wait"] / 3)  # fmt: skip
+                      progress=config["ack_wait"] / 10)  # fmt: skip
     pool.stuck.update(config["hang"])
     pool.on_hold = lambda order: print(f"holding {order}", flush=True)
     await pool.start(config["concurrency"], config["work"])

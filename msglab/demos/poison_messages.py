@@ -228,7 +228,8 @@ def parse(spec: str) -> er.EmailRequest:
 @dataclass
 class Row:
     t: float  # seconds since the first email was published
-    kind: str  # published, delivery, settle, attempt, email, dead_letter, kill, exhausted, advisory, fixed, redrive
+    # published, delivery, settle, attempt, email, dead_letter, kill, exhausted, advisory, fixed, redrive, end
+    kind: str
     order: str
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -354,6 +355,7 @@ class _Runner:
             await spawns.release()  # the second worker takes over
         if o["seconds"] is not None:
             await asyncio.sleep(max(0.0, started + o["seconds"] - time.time()))  # the experiment's length
+            self.row("end", "")  # the queue's age runs to here, not to the last thing a worker did
         else:
             await lab.wait_for(lambda: self._settled(seqs, o), max(0.1, deadline - time.monotonic()))
         if o["redrive"] is not None:
