@@ -104,10 +104,9 @@ class Victim:
         async def keep(msg: Any) -> None:
             self.received.append(msg.data)
 
-        await self.nc.subscribe("svc.echo", cb=echo)
-        await self.nc.subscribe("orders.>", cb=keep)
+        self.subs = [await self.nc.subscribe("svc.echo", cb=echo), await self.nc.subscribe("orders.>", cb=keep)]
         self.inbox = self.nc.new_inbox()
-        await self.nc.subscribe(self.inbox, cb=keep)
+        self.subs.append(await self.nc.subscribe(self.inbox, cb=keep))
         await self.nc.flush()
 
     async def traffic(self) -> None:
@@ -138,6 +137,15 @@ class Victim:
                 consumer.num_pending, consumer.delivered.stream_seq, names, card, len(self.received))  # fmt: skip
 
 
+async def _caught_up(nc: Any, subs: list[Any]) -> None:
+    """Every message the server routed to `nc` before now has reached its callback: a PONG follows
+    whatever was sent before it, and each subscription's queue is then worked off (as nats-py's drain()
+    does). Deliveries that never come cannot be waited on; this waits for everything that did."""
+    await nc.flush()
+    for sub in subs:
+        await asyncio.wait_for(sub._pending_queue.join(), 5)
+
+
 async def attack(url_a: str, victim: Victim) -> list[tuple[str, bool, str]]:
     """Every operation A can try on B's things; (what, succeeded, what came back)."""
     nc = await nats.connect(url_a, name="learner-a", max_reconnect_attempts=0)
@@ -147,15 +155,14 @@ async def attack(url_a: str, victim: Victim) -> list[tuple[str, bool, str]]:
     async def spy(msg: Any) -> None:
         spied.append(msg.data + msg.subject.encode())
 
-    for subject in (">", "_INBOX.>", "orders.>", "$JS.>", "$KV.>"):
-        await nc.subscribe(subject, cb=spy)
+    subs = [await nc.subscribe(subject, cb=spy) for subject in (">", "_INBOX.>", "orders.>", "$JS.>", "$KV.>")]
     answered: list[bytes] = []
 
     async def impostor(msg: Any) -> None:  # A's own responder on B's service subject
         answered.append(msg.data)
         await msg.respond(b"from A")
 
-    await nc.subscribe("svc.echo", cb=impostor)
+    subs.append(await nc.subscribe("svc.echo", cb=impostor))
     await nc.flush()
     marker = b"from-learner-a"
     outcomes: list[tuple[str, bool, str]] = []
@@ -225,9 +232,9 @@ async def attack(url_a: str, victim: Victim) -> list[tuple[str, bool, str]]:
     await attempt("delete B's bucket", lambda: js.delete_key_value("PROFILE"), returned)
     await attempt("delete B's stream", lambda: js.delete_stream("ORDERS"), returned)
     # while A listens on everything, B works: nothing of it may reach A, nothing of A's may reach B
-    await victim.traffic()
-    await nc.flush()
-    await asyncio.sleep(0.2)  # deliveries that never come cannot be waited on: give them a moment
+    await victim.traffic()  # each step waits for the server's answer: its publishes are routed by then
+    await _caught_up(victim.nc, victim.subs)
+    await _caught_up(nc, subs)
     outcomes.append(("subscribe to B's traffic", any(victim.secret.encode() in m for m in spied), f"{len(spied)} seen"))
     theirs = [data for data in answered if data != marker]  # A's own request reaches A's responder, of course
     outcomes.append(("answer B's requests", bool(theirs), f"{len(theirs)} of B's requests answered by A"))
