@@ -90,7 +90,7 @@ class Fulfilment:
     run at once (0: no bound). An order whose id is in `stuck` is held, unacked, by the worker that
     took it until `release()`; with `progress`, that worker tells the broker every `progress`
     seconds that it is still on it (so a short ack_wait never redelivers it), and `on_hold` hears the
-    order's id. `seen` records when each order was stored and acked.
+    order's id and which delivery of it that is. `seen` records when each order was stored and acked.
     """
 
     def __init__(self, js: Any, stream: str, durable: str, *, slots: int = 0, progress: float = 0.0) -> None:
@@ -111,7 +111,7 @@ class Fulfilment:
         self._release = asyncio.Event()
         self.closed = False
         self.parked = False  # the fetcher waits for a free worker: no fetch of ours is under way
-        self.on_hold: Callable[[str], None] | None = None  # told the id of each stuck order a worker holds
+        self.on_hold: Callable[[str, int], None] | None = None  # told each stuck order a worker holds, and its delivery
 
     async def start(self, workers: int = 2, work: float = 0.0) -> Fulfilment:
         self.sub = await self.js.pull_subscribe_bind(self.durable, self.stream)
@@ -195,7 +195,7 @@ class Fulfilment:
             if record.order_id in self.stuck:
                 self.held.append(msg)
                 if self.on_hold is not None:
-                    self.on_hold(record.order_id)
+                    self.on_hold(record.order_id, int(meta.num_delivered))
                 await self._hang(msg)
             if self.slots is not None:
                 async with self.slots:  # the warehouse API takes this many calls at once
