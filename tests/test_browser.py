@@ -1,7 +1,7 @@
 """A real browser runs every lesson in the course's own JupyterLab, as a learner would after `make lab`.
 
-A deep run (verdicts.DEPTH) takes every lesson; a quick one (`make test`) about one in seven (at least
-one), another each commit, and nbval runs the others headless (conftest.py), so every run executes every lesson.
+A deep run (verdicts.DEPTH) takes every lesson; a quick one (`make test`) exactly one, another each commit,
+and nbval runs the others headless (conftest.py), so every run executes every lesson.
 
 One JupyterLab (started by msglab.jupyter, as `make lab` does, but with throwaway config, runtime,
 settings and workspace folders) and one real nats-server serve every lesson. Debian's Chromium,
@@ -40,7 +40,6 @@ CHROMIUM_ARGS = [
 ]  # fmt: skip
 SCREENSHOTS = ROOT / "var" / "screenshots"
 SELFTEST = ROOT / "var" / "browser-selftest"  # inside the course root, so JupyterLab can open it
-# A quick run opens one lesson in the browser, the next each commit (nbval runs the others); a deep run, all.
 LESSONS = one_this_round(sorted((ROOT / "lessons").glob("*.ipynb")))
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 READY_TIMEOUT_MS = 120_000  # a kernel's first start on a busy 2-core machine

@@ -29,6 +29,7 @@ from conftest import ROOT
 from msglab.broker.server import EmbeddedServer
 from msglab.classroom.server import MIB, Classroom, ClassroomError, Limits, learner_names, start
 from msglab.classroom.status import render, status
+from msglab.grading.observe import caught_up
 
 LIMITS = Limits(max_mem=2 * MIB, max_file=4 * MIB, max_streams=12, max_consumers=16)
 
@@ -137,15 +138,6 @@ class Victim:
                 consumer.num_pending, consumer.delivered.stream_seq, names, card, len(self.received))  # fmt: skip
 
 
-async def _caught_up(nc: Any, subs: list[Any]) -> None:
-    """Every message the server routed to `nc` before now has reached its callback: a PONG follows
-    whatever was sent before it, and each subscription's queue is then worked off (as nats-py's drain()
-    does). Deliveries that never come cannot be waited on; this waits for everything that did."""
-    await nc.flush()
-    for sub in subs:
-        await asyncio.wait_for(sub._pending_queue.join(), 5)
-
-
 async def attack(url_a: str, victim: Victim) -> list[tuple[str, bool, str]]:
     """Every operation A can try on B's things; (what, succeeded, what came back)."""
     nc = await nats.connect(url_a, name="learner-a", max_reconnect_attempts=0)
@@ -233,8 +225,8 @@ async def attack(url_a: str, victim: Victim) -> list[tuple[str, bool, str]]:
     await attempt("delete B's stream", lambda: js.delete_stream("ORDERS"), returned)
     # while A listens on everything, B works: nothing of it may reach A, nothing of A's may reach B
     await victim.traffic()  # each step waits for the server's answer: its publishes are routed by then
-    await _caught_up(victim.nc, victim.subs)
-    await _caught_up(nc, subs)
+    await caught_up(victim.nc, victim.subs)  # deliveries that never come cannot be waited on; those that did can
+    await caught_up(nc, subs)
     outcomes.append(("subscribe to B's traffic", any(victim.secret.encode() in m for m in spied), f"{len(spied)} seen"))
     theirs = [data for data in answered if data != marker]  # A's own request reaches A's responder, of course
     outcomes.append(("answer B's requests", bool(theirs), f"{len(theirs)} of B's requests answered by A"))

@@ -84,9 +84,11 @@ def this_round(items: list[T], share: int, name: Callable[[T], str] = str) -> li
     return kept or items[ROUND % len(items) :][:1]
 
 
-def one_this_round(items: list[T]) -> list[T]:
-    """Every item in a deep run; in a quick one, exactly one, the next each round."""
-    return list(items) if DEPTH == "deep" else items[ROUND % len(items) :][:1]
+def one_this_round(items: list[T], count: int = 1) -> list[T]:
+    """Every item in a deep run; in a quick one, exactly `count` (spread evenly), the next ones each round."""
+    if DEPTH == "deep":
+        return list(items)
+    return [items[(ROUND + k * len(items) // count) % len(items)] for k in range(min(count, len(items)))]
 
 
 @dataclass(frozen=True)

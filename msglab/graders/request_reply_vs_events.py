@@ -1291,6 +1291,10 @@ def _outage_check(ev: Evidence) -> Check:
         f"for {first.key} at {ev.at(first.ts)} raised {OUTAGE_ERROR}, and no email went out."
     )
     if worker.died or worker.returned:
+        hint = (
+            "a failed email is a reason to send it again later, not to end the worker: keep the event for another"
+            " delivery and carry on with the next"
+        )
         if worker.died:
             message = f"{story}\n{label} then {rules.how_ended(worker)}: a failed email ended the worker."
         else:  # on the failure itself, or on an empty fetch before the refused event came back: both end it
@@ -1298,14 +1302,9 @@ def _outage_check(ev: Evidence) -> Check:
                 f"{story}\n{label} then {rules.how_ended(worker)} with the refused email not yet sent: the worker "
                 "ended before the event came back for another try."
             )
+            hint += " (an empty fetch meanwhile means 'nothing yet': the un-acked event comes back after ack_wait)"
         if never:
             message += f" {', '.join(never)} never got its email."
-        hint = (
-            "a failed email is a reason to send it again later, not to end the worker: keep the event for another"
-            " delivery and carry on with the next"
-        )
-        if not worker.died:
-            hint += " (an empty fetch meanwhile means 'nothing yet': the un-acked event comes back after ack_wait)"
         return Check(name, title, False, message, trace=ev.trace(str(first.key)), hint=hint)
     if not never:
         return Check(name, title, True)

@@ -58,6 +58,29 @@ CATCH_UP_LIMIT = 2.0  # seconds caught_up waits for a subscription's queue (its 
 UNMATCHED_KEPT = 10_000  # ack-family messages naming no delivery kept for a verdict (a flood is bounded)
 
 
+async def caught_up(nc: Any, subs: list[Any]) -> None:
+    """Return once every message the server routed to `nc` before now has been handed to its callback: a
+    PONG follows whatever the server sent before it, then each subscription's queue is worked off (as
+    nats-py's own drain() does), at most CATCH_UP_LIMIT seconds each."""
+    await nc.flush()
+    for sub in subs:
+        queue = getattr(sub, "_pending_queue", None)  # nats-py's; its drain() joins it the same way
+        if queue is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(queue.join(), CATCH_UP_LIMIT)
+
+
+def _delivery_of(subject: str) -> tuple[int, int] | None:
+    """(which delivery, stream seq) named by an ack subject, or None for another subject:
+    $JS.ACK.<stream>.<durable>.<delivered>.<sseq>.<dseq>.<ts>.<pending> (v1), or with domain and account hash (v2)."""
+    tokens = subject.split(".")
+    at = 4 if len(tokens) == 9 else 6
+    try:
+        return int(tokens[at]), int(tokens[at + 1])
+    except (IndexError, ValueError):
+        return None
+
+
 @dataclass
 class BrokerWatch:
     """Acks and pull requests of one durable, as the grader's own connection sees them."""
@@ -100,14 +123,8 @@ class BrokerWatch:
         call is in the watch, stamped earlier than that call, when the grader calls this first; without
         it, the order of the two stamps is the order two sockets happened to be read in.
         """
-        if self._nc is None:
-            return
-        await self._nc.flush()
-        for sub in list(self._subs):
-            queue = getattr(sub, "_pending_queue", None)  # nats-py's; its drain() joins it the same way
-            if queue is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(queue.join(), CATCH_UP_LIMIT)
+        if self._nc is not None:
+            await caught_up(self._nc, list(self._subs))
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -137,13 +154,10 @@ class BrokerWatch:
             self.acks = sorted([*self.acks, *early], key=lambda ack: ack.ts)
 
     async def _on_ack(self, msg: Any) -> None:
-        tokens = msg.subject.split(".")
-        # $JS.ACK.<stream>.<durable>.<delivered>.<sseq>.<dseq>.<ts>.<pending> (v1), or with domain and account hash (v2)
-        at = 4 if len(tokens) == 9 else 6
-        try:
-            delivered, seq = int(tokens[at]), int(tokens[at + 1])
-        except (IndexError, ValueError):
+        counted = _delivery_of(msg.subject)
+        if counted is None:
             return
+        delivered, seq = counted
         head, _, rest = msg.data.partition(b" ")
         kind, delay = ACK_KINDS.get(head, "other"), None
         if kind == "nak" and rest.strip():
@@ -192,14 +206,8 @@ class BrokerWatch:
 
     def sent(self, stream_seq: int) -> list[tuple[int, float]]:
         """Every delivery the server made of that stream sequence: (which delivery, when), in order."""
-        found = []
-        for reply, ts in self.deliveries.items():
-            tokens = reply.split(".")
-            at = 4 if len(tokens) == 9 else 6  # as in _on_ack
-            with contextlib.suppress(IndexError, ValueError):
-                if int(tokens[at + 1]) == stream_seq:
-                    found.append((int(tokens[at]), ts))
-        return sorted(found, key=lambda d: d[1])
+        counted = [(_delivery_of(reply), ts) for reply, ts in self.deliveries.items()]
+        return sorted(((c[0], ts) for c, ts in counted if c and c[1] == stream_seq), key=lambda d: d[1])
 
     def refetched_after_idle(self, since: float) -> Pull | None:
         """A pull request sent by the same connection after an earlier one (sent after `since`) had
