@@ -1,0 +1,407 @@
+"""Lesson 07's plumbing: the dual write and the relay's resend, in real processes under real SIGKILLs.
+
+    result = await pipeline.dual_write("commit_then_publish", orders=50, kills=5, seed=1)
+    result.lost, result.phantom, result.table()
+    resend = await pipeline.relay_resend(window=0.5)     # the relay dies after an ack, before saving
+
+`dual_write` runs a checkout process (the grading harness's service role, as msglab.demos.idempotency
+runs its workers) that places `orders` seeded orders one request at a time, in one of three ways:
+`commit_then_publish`, `publish_then_commit` or `with_outbox` (the functions below, shown by the
+lesson; a lesson cell may pass a function of its own, written the same way). Each checkout calls
+`env.kill_point("between", order)` between its two writes; for `kills` orders drawn from the seed the
+run SIGKILLs the process there, and the next order goes to a fresh process (the customer whose
+checkout died saw an error and did not retry). A relay process (msglab.world.relay) publishes
+whatever the outbox holds; with `relay_kills` it is SIGKILLed after the stream acked a row and before
+it saved its position, and a fresh relay takes over. The outcome is counted from the shop's database
+and from the stream, never from what a process printed: `lost` orders were committed and never
+published, `phantom` events name an order that was never committed, `twice` orders were stored twice.
+
+`relay_resend` shows why a relay may resend and who catches it: the relay dies between the stream's
+ack and saving its position, and the next relay publishes that row again. Inside the stream's
+duplicate window the stream drops it (its PubAck says `duplicate`); a relay that stays down longer
+than the window (`window=0.5`: the run waits until the server has forgotten a Msg-Id it saw as the
+relay died) gets it stored twice, and only the consumer's dedup table can catch it then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from msglab.demos.delivery_guarantees import write_handler
+from msglab.grading.harness import Child, Run
+from msglab.grading.nemesis import rng
+from msglab.grading.sandbox import Sandbox
+from msglab.grading.scaffold import HeldSpawns, held
+from msglab.world.outbox import INSERT_ORDER, INSERT_OUTBOX, counts, open_store, order_ids, place_order
+from msglab.world.relay import MSG_ID, Relay
+
+STREAM = "ORDERS"
+SUBJECT = "orders.placed"
+PROBE = "orders.probe"  # the run's own marker for "has the server forgotten a Msg-Id this old?"
+DEFAULT_WINDOW = 120.0  # seconds: JetStream's default duplicate window
+CALL_TIMEOUT = 10.0  # the longest one checkout request may take (a loaded machine; it takes milliseconds)
+SANDBOX = "a lesson's own experiment, run as the notebook's user"
+
+
+# --- the three checkouts: what a lesson cell shows -------------------------------------------------
+
+
+async def commit_then_publish(env: Any, order: dict[str, Any]) -> None:
+    with env.db:
+        env.db.execute(INSERT_ORDER, order)
+    env.kill_point("between", order)
+    await env.js.publish(env.placed, json.dumps(order).encode())
+
+
+async def publish_then_commit(env: Any, order: dict[str, Any]) -> None:
+    await env.js.publish(env.placed, json.dumps(order).encode())
+    env.kill_point("between", order)
+    with env.db:
+        env.db.execute(INSERT_ORDER, order)
+
+
+async def with_outbox(env: Any, order: dict[str, Any]) -> None:
+    with env.db:
+        env.db.execute(INSERT_ORDER, order)
+        env.kill_point("between", order)  # the SIGKILL lands inside the open transaction
+        row = {"id": order["id"], "subject": env.placed, "payload": json.dumps(order).encode(), "headers": "{}"}
+        env.db.execute(INSERT_OUTBOX, row)
+
+
+VARIANTS: dict[str, Callable[..., Any]] = {
+    f.__name__: f for f in (commit_then_publish, publish_then_commit, with_outbox)
+}
+
+
+# --- what runs inside the processes ----------------------------------------------------------------
+
+
+def ops_checkout(env: Any, learner: Any) -> dict[str, Callable[..., Any]]:
+    """A checkout process: one `place` request per order, handled by the lesson's checkout function."""
+    env.db = open_store(env.params["db_path"])
+    env.kill_point = lambda name, order: env.world.call(name, str(order["id"]))  # a planned SIGKILL lands here
+    handler = getattr(learner, env.params["handler"])
+
+    async def place(order: dict[str, Any]) -> str:
+        await handler(env, order)
+        return str(order["id"])
+
+    return {"place": place}
+
+
+async def role_relay(env: Any, learner: Any) -> None:
+    """A relay process: held until its turn, then the course's relay on the shop's database, for ever."""
+    relay = Relay(open_store(env.params["db_path"]), env.js, poll=env.params.get("poll", 0.02))
+
+    def published(point: str, row: Any) -> None:
+        last = relay.sent[-1]  # the stream's answer, as this relay saw it
+        env.world.note("acked", str(row.id), seq=last.seq, duplicate=last.duplicate)
+        env.world.call(point, str(row.id))  # between the ack and the saved position: a planned SIGKILL lands here
+
+    relay.hook = published
+    held(env)
+    await relay.run()
+
+
+# --- the notebook's side ---------------------------------------------------------------------------
+
+
+def make_orders(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    """n seeded orders, o-001 ..., over nine customers."""
+    r = rng(seed, "lesson07:orders")
+    return [
+        {"id": f"o-{i:03d}", "customer": f"c-{r.randint(1, 9)}", "cents": r.randint(500, 20_000)}
+        for i in range(1, n + 1)
+    ]
+
+
+async def stored(js: Any, stream: str, subject: str) -> list[tuple[str, str]]:
+    """(order id, Nats-Msg-Id or '') of every message the stream holds on `subject`, in stream order."""
+    info = await js.stream_info(stream)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(stream, seq)
+        if msg.subject == subject:
+            body = json.loads(msg.data)
+            found.append((str(body.get("id")), (msg.headers or {}).get(MSG_ID, "")))
+    return found
+
+
+@dataclass
+class DualWrite:
+    """One dual-write run, counted from the shop's database and the stream."""
+
+    variant: str
+    orders: int
+    kills: int  # checkout processes SIGKILLed between their two writes
+    relay_kills: int  # relay processes SIGKILLed after an ack, before saving their position
+    committed: int  # orders in the database
+    published: int  # distinct orders with an event in the stream
+    lost: list[str]  # committed, never published: an order nobody hears of
+    phantom: list[str]  # published, never committed: an event for an order that does not exist
+    twice: list[str]  # orders whose event the stream stored more than once
+    seconds: float
+    killed: list[str]  # the orders whose checkout was SIGKILLed between its two writes
+
+    def row(self) -> tuple[str, int, int, int, int, int, int, int]:
+        return (self.variant, self.orders, self.kills, self.committed, self.published, len(self.lost),
+                len(self.phantom), len(self.twice))  # fmt: skip
+
+    def table(self) -> str:
+        """This run as a one-row table (see `table(*results)` to compare runs)."""
+        return table(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.variant}: {self.orders} orders, {self.kills} checkouts SIGKILLed"
+            f"{f', {self.relay_kills} relays SIGKILLed' if self.relay_kills else ''}: {self.committed} committed, "
+            f"{self.published} published; {len(self.lost)} lost, {len(self.phantom)} phantom, "
+            f"{len(self.twice)} stored twice ({self.seconds:.1f} s)"
+        )
+
+    def _repr_html_(self) -> str:
+        return Table([self])._repr_html_()
+
+
+HEADS = ("checkout", "orders", "killed", "committed", "published", "lost", "phantom", "stored twice")
+
+
+@dataclass
+class Table:
+    """Dual-write runs side by side."""
+
+    results: list[DualWrite]
+
+    def __repr__(self) -> str:
+        lines = [f"{HEADS[0]:<22}" + "".join(f"{h:>{len(h) + 3}}" for h in HEADS[1:])]
+        lines += [f"{r[0]:<22}" + "".join(f"{v:>{len(h) + 3}}" for v, h in zip(r[1:], HEADS[1:], strict=True))
+                  for r in (x.row() for x in self.results)]  # fmt: skip
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in HEADS)
+        body = "".join(
+            f"<tr><td><code>{r[0]}</code></td>" + "".join(f"<td>{v}</td>" for v in r[1:5])
+            + "".join(f"<td><b>{v}</b></td>" for v in r[5:]) + "</tr>"
+            for r in (x.row() for x in self.results)
+        )  # fmt: skip
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def table(*results: DualWrite) -> Any:
+    """Runs side by side (a table in a notebook, text elsewhere)."""
+    return Table(list(results))
+
+
+def _lab(handler: Callable[..., Any], seed: int) -> tuple[Run, str]:
+    folder, path = write_handler(handler)
+    lab = Run(__name__, path, seed)
+    lab.sandbox = Sandbox(why_not=SANDBOX)
+    return lab, folder
+
+
+async def _provision(lab: Run, window: float) -> str:
+    """The run's stream (with this duplicate window) and an empty shop; returns the database's path."""
+    from nats.js.api import StreamConfig
+
+    config = StreamConfig(
+        name=lab.names.stream(STREAM), subjects=[lab.names.subject("orders.>")], duplicate_window=window
+    )
+    await lab.js.add_stream(config)
+    path = os.path.join(lab.home, "shop.sqlite")
+    open_store(path).close()
+    return path
+
+
+def _killer(lab: Run, planned: set[str]) -> Callable[[Child, str | None, dict[str, Any], int], Any]:
+    """An effect handler that SIGKILLs the calling process the first time it reaches a planned key."""
+    fired: set[str] = set()
+
+    async def maybe_kill(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        if key in planned and key not in fired:
+            fired.add(key)
+            lab.log.record("crash", "kill", key, pid=child.pid, role=child.role)
+            await child.kill("nemesis")  # the process waits for this call's answer: it never comes
+
+    return maybe_kill
+
+
+async def dual_write(
+    variant: str | Callable[..., Any] = "commit_then_publish",
+    *,
+    orders: int = 50,
+    kills: int = 5,
+    relay_kills: int = 0,
+    seed: int = 1,
+    timeout: float = 30.0,
+) -> DualWrite:
+    """Place `orders` seeded orders through a checkout that dies `kills` times between its two writes; count."""
+    handler = VARIANTS[variant] if isinstance(variant, str) else variant
+    started = time.perf_counter()
+    batch = make_orders(orders, seed)
+    doomed = set(rng(seed, "lesson07:checkout kills").sample([o["id"] for o in batch], kills))
+    lab, folder = _lab(handler, seed)
+    try:
+        async with lab:
+            path = await _provision(lab, DEFAULT_WINDOW)
+            params = {"handler": handler.__name__, "db_path": path, "placed": lab.names.subject(SUBJECT)}
+            lab.on("between", _killer(lab, doomed))
+            # The relay's kills land on outbox ids the run will have (a killed checkout's row rolls back).
+            ids = range(1, max(1, orders - kills) + 1)
+            relays = _Relays(lab, path, {str(i) for i in rng(seed, "lesson07:relay kills").sample(ids, relay_kills)})
+            spare = asyncio.ensure_future(lab.spawn("checkout", params=params))  # the next process, started early
+            checkout = await spare
+            spare = asyncio.ensure_future(lab.spawn("checkout", params=params))
+            try:
+                for order in batch:
+                    reply = await checkout.call("place", CALL_TIMEOUT, order=order)
+                    if reply.gone:  # SIGKILLed: the next order goes to a fresh checkout
+                        checkout = await spare
+                        spare = asyncio.ensure_future(lab.spawn("checkout", params=params))
+                    elif not reply.ok:
+                        raise RuntimeError(f"checkout of {order['id']} {reply.describe()}")
+                await relays.caught_up(timeout)
+            finally:
+                spare.cancel()
+                await relays.stop()
+            events = await stored(lab.js, lab.names.stream(STREAM), lab.names.subject(SUBJECT))
+            committed = order_ids(path)
+            crashes = lab.log.events("crash")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    per_order = Counter(oid for oid, _ in events)
+    return DualWrite(
+        handler.__name__, orders, sum(c.role == "checkout" for c in crashes), sum(c.role == "relay" for c in crashes),
+        committed=len(committed), published=len(per_order),
+        lost=sorted(committed - set(per_order)), phantom=sorted(set(per_order) - committed),
+        twice=sorted(oid for oid, n in per_order.items() if n > 1), seconds=time.perf_counter() - started,
+        killed=sorted(str(c.key) for c in crashes if c.role == "checkout"),
+    )  # fmt: skip
+
+
+class _Relays:
+    """Relay processes, one at a time: the next is released once the last one died (after `between()`)."""
+
+    def __init__(self, lab: Run, path: str, planned: set[str], between: Callable[[], Any] | None = None) -> None:
+        self.lab, self.path, self.between = lab, path, between
+        self.spawns = HeldSpawns(lab, "relay", lambda n: [], len(planned) + 1, params={"db_path": path})
+        self.current: Child | None = None
+        lab.on("published", _killer(lab, planned))
+        self.spawns.prepare(min(2, len(planned) + 1))
+        self.task = asyncio.ensure_future(self._keep_running())
+
+    async def _keep_running(self) -> None:
+        while (child := await self.spawns.release()) is not None:
+            self.current = child
+            self.spawns.prepare(1)
+            await child.exited()
+            if self.between is not None:
+                await self.between()
+
+    async def caught_up(self, timeout: float) -> None:
+        """Return once the relay has saved every outbox row as published."""
+
+        def done() -> bool:
+            now = counts(self.path)
+            return now.position >= now.last
+
+        if not await self.lab.wait_for(done, timeout):
+            raise TimeoutError(f"the relay did not publish the outbox within {timeout} s: {counts(self.path)}")
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.spawns.cancel()
+        if self.current is not None:
+            await self.current.kill()
+
+
+# --- the relay's resend --------------------------------------------------------------------------
+
+
+@dataclass
+class Resend:
+    """A relay killed between the stream's ack and saving its position, and what its successor's resend did."""
+
+    window: float  # the stream's duplicate window, seconds
+    rows: int
+    killed_at: int  # the outbox id the first relay had acked and not saved
+    down: float  # seconds between the kill and the next relay's start
+    answers: list[bool]  # the PubAck's `duplicate` for each publish of that row, as the relays saw them
+    copies: dict[str, int]  # Msg-Id -> messages the stream holds with it
+
+    @property
+    def resent(self) -> bool:
+        """The row was published again."""
+        return len(self.answers) > 1
+
+    @property
+    def stored_twice(self) -> list[str]:
+        """Msg-Ids the stream holds more than once: only the consumer's dedup table can catch these."""
+        return sorted((k for k, n in self.copies.items() if n > 1), key=int)
+
+    def __repr__(self) -> str:
+        again = "published again" if self.resent else "not published again"
+        told = "duplicate" if self.answers[-1:] == [True] else "new message"
+        return (
+            f"window {self.window:g} s, relay down {self.down:.2f} s: row {self.killed_at} {again}, the stream said "
+            f"'{told}'; {sum(self.copies.values())} messages for {self.rows} rows, stored twice: "
+            f"{self.stored_twice or 'none'}"
+        )
+
+
+async def relay_resend(
+    *, window: float = DEFAULT_WINDOW, past_window: bool = False, rows: int = 5, kill_at: int = 3, timeout: float = 20.0
+) -> Resend:
+    """Outbox rows, a relay SIGKILLed after the stream acked row `kill_at` and before it saved it, then a new relay.
+
+    `past_window`: the new relay starts only once the server has forgotten a Msg-Id published just after
+    the kill (a probe on its own subject, asked again until the server takes it as new), so it resends
+    after the window has passed. Counted from the stream; the PubAcks from what the relays reported.
+    """
+    lab, folder = _lab(with_outbox, kill_at)  # the harness runs a file; the relay is the course's own
+    down = [0.0]
+    try:
+        async with lab:
+            path = await _provision(lab, window)
+            db = open_store(path)
+            for order in make_orders(rows):
+                place_order(db, order, lab.names.subject(SUBJECT))
+            db.close()
+            probe = lab.names.subject(PROBE)
+
+            async def between() -> None:
+                died = time.perf_counter()
+                if past_window:
+                    await lab.js.publish(probe, b"", headers={MSG_ID: "probe"})  # after the killed row's ack
+
+                    async def forgotten() -> bool:
+                        return not (await lab.js.publish(probe, b"", headers={MSG_ID: "probe"})).duplicate
+
+                    if not await lab.wait_for(forgotten, window + timeout):
+                        raise TimeoutError(f"the server still knew a Msg-Id after {window + timeout} s")
+                down[0] = time.perf_counter() - died
+
+            relays = _Relays(lab, path, {str(kill_at)}, between)
+            try:
+                await relays.caught_up(timeout)
+            finally:
+                await relays.stop()
+            copies = Counter(
+                msg_id for _, msg_id in await stored(lab.js, lab.names.stream(STREAM), lab.names.subject(SUBJECT))
+            )
+            answers = [bool(e.detail["duplicate"]) for e in lab.log.events("note", "acked") if e.key == str(kill_at)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return Resend(window, rows, kill_at, down[0], answers, dict(copies))
