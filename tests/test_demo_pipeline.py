@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import nats
+import pytest
+
+from msglab.broker.server import EmbeddedServer
 from msglab.demos import pipeline
+from msglab.world.outbox import open_store, place_order
+from msglab.world.relay import Relay
+from msglab.world.status_page import StatusPage
 
 INSERT_ORDER = pipeline.INSERT_ORDER  # a lesson cell's own constant: shipped to the checkout process with its code
 
@@ -53,3 +61,42 @@ def test_a_checkout_written_in_a_lesson_cell_runs_the_same_way(no_nats_url: None
     result = asyncio.run(pipeline.dual_write(commit_both_then_publish, orders=10, kills=2, seed=3))
     assert result.variant == "commit_both_then_publish" and len(result.killed) == 2
     assert (result.committed, result.published, result.lost, result.phantom) == (10, 10, [], [])
+
+
+def test_one_orders_correlation_id_is_carried_across_every_hop_and_its_trace_rebuilt(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    async def body() -> tuple[pipeline.Trace, pipeline.Trace, list[str]]:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await js.add_stream(name="TRACE_T", subjects=["t5.>"])
+        page = await StatusPage.start(nc, subject="t5.status.>", stream="TRACE_T")
+        try:
+            db = open_store(str(tmp_path / "shop.sqlite"))
+            for order in pipeline.make_orders(2):
+                place_order(db, order, "t5.placed", headers=pipeline.carry(start=order["id"]))  # checkout
+            await Relay(db, js).step()  # the relay publishes the row's headers as they are
+            for seq, status in ((1, "confirmed"), (2, "failed")):  # payments, then the status it decided
+                placed = await js.get_msg("TRACE_T", seq)
+                order_id = json.loads(placed.data or b"")["id"]
+                charged = await js.publish("t5.charged", placed.data or b"", headers=pipeline.carry(placed))
+                await js.publish(f"t5.status.{order_id}", json.dumps({"id": order_id, "status": status}).encode(),
+                                 headers=pipeline.carry(placed))  # fmt: skip
+                assert not charged.duplicate
+            await page.shown("o-001", "confirmed")
+            await page.shown("o-002", "failed")
+            one = await pipeline.trace(js, "o-001", ["TRACE_T"], page)
+            two = await pipeline.trace(js, "o-002", ["TRACE_T"], page)
+            return one, two, repr(one).splitlines()
+        finally:
+            await page.stop()
+            await js.delete_stream("TRACE_T")
+            await nc.close()
+
+    one, two, shown = asyncio.run(body())
+    assert [hop.what for hop in one.hops] == ["t5.placed", "t5.charged", "t5.status.o-001", "shown confirmed"]
+    assert [hop.what for hop in two.hops] == ["t5.placed", "t5.charged", "t5.status.o-002", "shown failed"]
+    assert [hop.where for hop in one.hops[:3]] == ["TRACE_T #1", "TRACE_T #3", "TRACE_T #4"]  # the server's records
+    assert shown[0].startswith("o-001: 4 hops in ") and "t5.charged" in shown[2] and len(shown) == 5
+    with pytest.raises(ValueError, match="Correlation-Id"):
+        pipeline.carry({})  # a hop with nothing to carry and nothing to start from

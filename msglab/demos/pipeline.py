@@ -16,6 +16,11 @@ it saved its position, and a fresh relay takes over. The outcome is counted from
 and from the stream, never from what a process printed: `lost` orders were committed and never
 published, `phantom` events name an order that was never committed, `twice` orders were stored twice.
 
+`carry(msg)` gives the next hop's headers with the `Correlation-Id` of the message in hand (checkout starts
+one: `carry(start=order_id)`, kept in the outbox row's headers, which the relay publishes as they are);
+`await trace(js, correlation_id, streams, page)` rebuilds one order's path from the course's records: the
+messages the streams hold with that id (the server's timestamps) and the changes the status page showed.
+
 `relay_resend` shows why a relay may resend and who catches it: the relay dies between the stream's
 ack and saving its position, and the next relay publishes that row again. Inside the stream's
 duplicate window the stream drops it (its PubAck says `duplicate`); a relay that stays down longer
@@ -31,17 +36,19 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from msglab.demos.delivery_guarantees import write_handler
 from msglab.grading.harness import Child, Run
 from msglab.grading.nemesis import rng
+from msglab.grading.rules import plural
 from msglab.grading.sandbox import Sandbox
 from msglab.grading.scaffold import HeldSpawns, held
-from msglab.world.outbox import INSERT_ORDER, INSERT_OUTBOX, counts, open_store, order_ids, place_order
+from msglab.world.outbox import CORRELATION_ID, INSERT_ORDER, INSERT_OUTBOX, counts, open_store, order_ids, place_order
 from msglab.world.relay import MSG_ID, Relay
+from msglab.world.status_page import StatusPage
 
 STREAM = "ORDERS"
 SUBJECT = "orders.placed"
@@ -155,14 +162,15 @@ class DualWrite:
         return (self.variant, self.orders, self.kills, self.committed, self.published, len(self.lost),
                 len(self.phantom), len(self.twice))  # fmt: skip
 
-    def table(self) -> str:
+    def table(self) -> Table:
         """This run as a one-row table (see `table(*results)` to compare runs)."""
         return table(self)
 
     def __repr__(self) -> str:
+        relays = f", {plural(self.relay_kills, 'relay')} SIGKILLed" if self.relay_kills else ""
         return (
-            f"{self.variant}: {self.orders} orders, {self.kills} checkouts SIGKILLed"
-            f"{f', {self.relay_kills} relays SIGKILLed' if self.relay_kills else ''}: {self.committed} committed, "
+            f"{self.variant}: {self.orders} orders, {plural(self.kills, 'checkout')} SIGKILLed{relays}: "
+            f"{self.committed} committed, "
             f"{self.published} published; {len(self.lost)} lost, {len(self.phantom)} phantom, "
             f"{len(self.twice)} stored twice ({self.seconds:.1f} s)"
         )
@@ -199,7 +207,7 @@ class Table:
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def table(*results: DualWrite) -> Any:
+def table(*results: DualWrite) -> Table:
     """Runs side by side (a table in a notebook, text elsewhere)."""
     return Table(list(results))
 
@@ -405,3 +413,61 @@ async def relay_resend(
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return Resend(window, rows, kill_at, down[0], answers, dict(copies))
+
+
+# --- one order's path: the correlation id --------------------------------------------------------
+
+
+def carry(incoming: Any = None, *, start: str | None = None, **headers: str) -> dict[str, str]:
+    """Headers for the next hop: `headers` plus the Correlation-Id of `incoming` (a message, or its headers);
+    the first hop, with nothing to carry, starts one (`start`, e.g. the order id)."""
+    given = getattr(incoming, "headers", incoming) or {}
+    correlation_id = given.get(CORRELATION_ID) or start
+    if not correlation_id:
+        raise ValueError(f"no {CORRELATION_ID} to carry: the first hop starts one (start=...)")
+    return {**headers, CORRELATION_ID: str(correlation_id)}
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of an order's path: when (time.time()), where it was recorded, what happened."""
+
+    ts: float
+    where: str
+    what: str
+
+
+@dataclass
+class Trace:
+    """One order's path through the services, oldest first, timed from its first hop."""
+
+    correlation_id: str
+    hops: list[Hop]
+
+    @property
+    def seconds(self) -> float:
+        """From the first hop to the last."""
+        return self.hops[-1].ts - self.hops[0].ts if self.hops else 0.0
+
+    def __repr__(self) -> str:
+        t0 = self.hops[0].ts if self.hops else 0.0
+        lines = [f"{self.correlation_id}: {len(self.hops)} hops in {self.seconds * 1000:.1f} ms"]
+        lines += [f"  +{(hop.ts - t0) * 1000:7.1f} ms  {hop.what:<28} {hop.where}" for hop in self.hops]
+        return "\n".join(lines)
+
+
+async def trace(js: Any, correlation_id: str, streams: Sequence[str] = (), page: StatusPage | None = None) -> Trace:
+    """Rebuild one order's path: every message in `streams` carrying this Correlation-Id (stamped by the
+    server when it stored it) and every change `page` showed that an event with this id brought (its own clock)."""
+    hops = []
+    for stream in streams:
+        info = await js.stream_info(stream)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await js.get_msg(stream, seq)
+            if (msg.headers or {}).get(CORRELATION_ID) == correlation_id:
+                hops.append(Hop(msg.time.timestamp(), f"{stream} #{seq}", str(msg.subject)))
+    if page is not None:
+        hops += [
+            Hop(c.ts, "status page", f"shown {c.status}") for c in page.changes if c.correlation_id == correlation_id
+        ]
+    return Trace(correlation_id, sorted(hops, key=lambda hop: hop.ts))

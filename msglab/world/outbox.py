@@ -9,7 +9,8 @@ publishes the outbox is msglab.world.relay.
 
 An order is a dict with `id`, `customer` and `cents`. The outbox row's id is what the relay sends as
 `Nats-Msg-Id`: AUTOINCREMENT, so an id is never handed out twice even after rows are deleted (a plain
-rowid reuses the highest one), and a resent row carries the id the stream already knows.
+rowid reuses the highest one), and a resent row carries the id the stream already knows. The row's
+`headers` (e.g. a `Correlation-Id` that checkout starts) are published with it as they are.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from msglab.world.payments import BUSY_MS, open_shop
 
 ORDER_PLACED = "orders.placed"
+CORRELATION_ID = "Correlation-Id"  # the header that names one order's path through every service
 RELAY = "relay"  # the relay's name in the positions table (one row per relay)
 
 SCHEMA = """

@@ -2,6 +2,7 @@
 
     page = await StatusPage.start(nc)            # a free port on 127.0.0.1; page.url to open
     page.orders                                  # {"o-001": "confirmed", ...}: what the page shows now
+    await page.shown("o-001", "confirmed")       # returns once it does
     await page.stop()
 
 It subscribes to order status events (`orders.status.<order id>`, JSON {"id": ..., "status": "pending" |
@@ -31,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from msglab.broker import settle_subscriptions
+from msglab.world.outbox import CORRELATION_ID
 
 STATUS = "orders.status"  # orders.status.<order id>
 STATES = ("pending", "confirmed", "failed")
@@ -70,11 +72,13 @@ events.addEventListener("order", (e) => {
 
 @dataclass(frozen=True)
 class Change:
-    """One change the page showed: which order, its new status, when (time.time() of this process)."""
+    """One change the page showed: which order, its new status, when (time.time() of this process), and the
+    Correlation-Id of the event that brought it ('' if it carried none)."""
 
     order_id: str
     status: str
     ts: float
+    correlation_id: str = ""
 
 
 @dataclass
@@ -85,6 +89,7 @@ class StatusPage:
     changes: list[Change] = field(default_factory=list)
     url: str = ""
     _clients: set[asyncio.Queue[Change | None]] = field(default_factory=set)
+    _waiters: list[asyncio.Future[None]] = field(default_factory=list)
     _sub: Any = None
     _runner: web.AppRunner | None = None
 
@@ -118,17 +123,29 @@ class StatusPage:
         page.url = f"http://{host}:{sock.getsockname()[1]}/"
         return page
 
-    def apply(self, order_id: str, status: str) -> bool:
+    def apply(self, order_id: str, status: str, correlation_id: str = "") -> bool:
         """Show this status for the order; False (nothing shown) for an unknown status or a final one's 'pending'."""
         current = self.orders.get(order_id)
         if status not in STATES or current == status or (current in FINAL and status == "pending"):
             return False
         self.orders[order_id] = status
-        change = Change(order_id, status, time.time())
+        change = Change(order_id, status, time.time(), correlation_id)
         self.changes.append(change)
         for queue in self._clients:
             queue.put_nowait(change)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         return True
+
+    async def shown(self, order_id: str, status: str, timeout: float = 10.0) -> None:
+        """Return once the page shows `status` for the order (TimeoutError after `timeout` s)."""
+        async with asyncio.timeout(timeout):
+            while self.orders.get(order_id) != status:
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                await waiter  # set by the next change
 
     async def _on_event(self, msg: Any) -> None:
         try:
@@ -136,7 +153,7 @@ class StatusPage:
             order_id, status = str(body["id"]), str(body["status"])
         except (ValueError, KeyError, TypeError):
             return  # not a status event: nothing to show
-        self.apply(order_id, status)
+        self.apply(order_id, status, str((msg.headers or {}).get(CORRELATION_ID, "")))
 
     async def _page(self, request: web.Request) -> web.Response:
         return web.Response(text=PAGE, content_type="text/html")
@@ -176,6 +193,9 @@ def _sse(order_id: str, status: str) -> bytes:
     return f"event: order\ndata: {json.dumps({'id': order_id, 'status': status})}\n\n".encode()
 
 
-async def publish_status(nc: Any, order_id: str, status: str, *, prefix: str = STATUS) -> None:
-    """Publish one order's status event (core NATS), as the services that decide it do."""
-    await nc.publish(f"{prefix}.{order_id}", json.dumps({"id": order_id, "status": status}).encode())
+async def publish_status(
+    nc: Any, order_id: str, status: str, *, prefix: str = STATUS, headers: dict[str, str] | None = None
+) -> None:
+    """Publish one order's status event (core NATS), as the services that decide it do (`headers`: e.g. a
+    Correlation-Id carried from the event that decided it)."""
+    await nc.publish(f"{prefix}.{order_id}", json.dumps({"id": order_id, "status": status}).encode(), headers=headers)
