@@ -100,3 +100,11 @@ def test_one_orders_correlation_id_is_carried_across_every_hop_and_its_trace_reb
     assert shown[0].startswith("o-001: 4 hops in ") and "t5.charged" in shown[2] and len(shown) == 5
     with pytest.raises(ValueError, match="Correlation-Id"):
         pipeline.carry({})  # a hop with nothing to carry and nothing to start from
+
+
+def test_a_checkout_that_fails_on_its_own_stops_the_run_instead_of_being_counted(no_nats_url: None) -> None:
+    async def declines(env: Any, order: dict[str, Any]) -> None:
+        raise ValueError(f"card declined for {order['id']}")
+
+    with pytest.raises(RuntimeError, match=r"checkout of o-001 raised ValueError\(card declined for o-001\)"):
+        asyncio.run(pipeline.dual_write(declines, orders=3, kills=0))

@@ -274,7 +274,9 @@ async def dual_write(
             try:
                 for order in batch:
                     reply = await checkout.call("place", CALL_TIMEOUT, order=order)
-                    if reply.gone:  # SIGKILLed: the next order goes to a fresh checkout
+                    if reply.gone and checkout.killed != "nemesis":
+                        raise RuntimeError(f"the checkout process {checkout.how_it_ended()} placing {order['id']}")
+                    if reply.gone:  # SIGKILLed as planned: the next order goes to a fresh checkout
                         checkout = await spare
                         spare = asyncio.ensure_future(lab.spawn("checkout", params=params))
                     elif not reply.ok:
@@ -305,6 +307,7 @@ class _Relays:
         self.lab, self.path, self.between = lab, path, between
         self.spawns = HeldSpawns(lab, "relay", lambda n: [], len(planned) + 1, params={"db_path": path})
         self.current: Child | None = None
+        self.failed = ""  # how a relay ended that no planned kill ended
         lab.on("published", _killer(lab, planned))
         self.spawns.prepare(min(2, len(planned) + 1))
         self.task = asyncio.ensure_future(self._keep_running())
@@ -314,6 +317,9 @@ class _Relays:
             self.current = child
             self.spawns.prepare(1)
             await child.exited()
+            if child.killed != "nemesis":
+                self.failed = f"the relay process {child.how_it_ended()}: {' | '.join(child.output)[-500:]}"
+                return
             if self.between is not None:
                 await self.between()
 
@@ -321,6 +327,8 @@ class _Relays:
         """Return once the relay has saved every outbox row as published."""
 
         def done() -> bool:
+            if self.failed:
+                raise RuntimeError(self.failed)
             now = counts(self.path)
             return now.position >= now.last
 
