@@ -47,8 +47,8 @@ def test_each_dual_write_breaks_as_taught_and_the_outbox_breaks_neither_way(no_n
 
     shown = repr(pipeline.table(commit_first, publish_first, outbox))
     assert shown.splitlines()[0].split()[:3] == ["checkout", "orders", "killed"]
-    assert shown.splitlines()[1].split() == ["commit_then_publish", "30", "4", "30", "26", "4", "0", "0"]
-    assert "<td><code>with_outbox</code></td><td>30</td><td>4</td>" in outbox._repr_html_()
+    assert shown.splitlines()[1].split() == ["commit_then_publish", "30", "4", "0", "30", "26", "4", "0", "0"]
+    assert "<td><code>with_outbox</code></td><td>30</td><td>4</td><td>2</td>" in outbox._repr_html_()
 
 
 def test_a_checkout_written_in_a_lesson_cell_runs_the_same_way(no_nats_url: None) -> None:

@@ -160,9 +160,9 @@ class DualWrite:
     seconds: float
     killed: list[str]  # the orders whose checkout was SIGKILLed between its two writes
 
-    def row(self) -> tuple[str, int, int, int, int, int, int, int]:
-        return (self.variant, self.orders, self.kills, self.committed, self.published, len(self.lost),
-                len(self.phantom), len(self.twice))  # fmt: skip
+    def row(self) -> tuple[str, int, int, int, int, int, int, int, int]:
+        return (self.variant, self.orders, self.kills, self.relay_kills, self.committed, self.published,
+                len(self.lost), len(self.phantom), len(self.twice))  # fmt: skip
 
     def table(self) -> Table:
         """This run as a one-row table (see `table(*results)` to compare runs)."""
@@ -181,7 +181,7 @@ class DualWrite:
         return Table([self])._repr_html_()
 
 
-HEADS = ("checkout", "orders", "killed", "committed", "published", "lost", "phantom", "stored twice")
+HEADS = ("checkout", "orders", "killed", "relay killed", "committed", "published", "lost", "phantom", "stored twice")
 
 
 @dataclass
@@ -202,8 +202,8 @@ class Table:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in HEADS)
         body = "".join(
-            f"<tr><td><code>{r[0]}</code></td>" + "".join(f"<td>{v}</td>" for v in r[1:5])
-            + "".join(f"<td><b>{v}</b></td>" for v in r[5:]) + "</tr>"
+            f"<tr><td><code>{r[0]}</code></td>" + "".join(f"<td>{v}</td>" for v in r[1:6])
+            + "".join(f"<td><b>{v}</b></td>" for v in r[6:]) + "</tr>"
             for r in (x.row() for x in self.results)
         )  # fmt: skip
         return f"<table><tr>{head}</tr>{body}</table>"
