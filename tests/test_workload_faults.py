@@ -34,6 +34,24 @@ async def echo_worker(env) -> None:
 )
 
 
+# The same wrong worker after echo calls about real messages it never took: it waits until the stream has the
+# latest three (keys named as the grader names them, m-1, m-2, ...) and calls about those, holding none of them.
+UNHELD = (
+    ACKS_FIRST.replace("async def echo_worker(env)", "async def _acks_first(env)")
+    + """
+
+async def echo_worker(env) -> None:
+    import asyncio
+
+    while (stored := (await env.js.stream_info(env.stream("ECHO"))).state.last_seq) < 3:
+        await asyncio.sleep(0.01)
+    for n in range(stored - 2, stored + 1):
+        await env.echo(f"m-{n}", "not taken")
+    await _acks_first(env)
+"""
+)
+
+
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adoption: each published message's key registered (the hook), and the platform's check judged."""
@@ -82,3 +100,38 @@ def test_with_the_workload_registered_the_crashes_land_on_real_work(
     assert "no-such-0" in decoys.message and "faults_fired" not in _failed(verdict)
     solution = grade(EXAMPLE, solution=True, seed=seed)
     assert solution.passed and "effects_on_the_workload" in {c.name for c in solution.checks}, solution.to_text()
+
+
+@pytest.fixture
+def held(registered: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adoption of Workload.held: echo calls count only about a message delivered to the calling process."""
+    real = example.grade
+
+    async def grade_held(run: Run) -> list[Any]:
+        run.workload.held("echo")
+        return await real(run)
+
+    monkeypatch.setattr(example, "grade", grade_held)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_calls_about_real_messages_it_never_took_absorb_the_crashes_unless_held_is_asked(
+    no_nats_url: None, registered: None, tmp_path: Path, seed: int
+) -> None:
+    dodged = _graded(tmp_path, UNHELD, seed)
+    # The trick: every message echoed before anything was taken, so a kill on those calls loses nothing.
+    assert not {"every_message_echoed", "effects_on_the_workload"} & _failed(dodged), dodged.to_text()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_with_held_asked_the_crashes_land_on_messages_the_process_was_delivered(
+    no_nats_url: None, held: None, tmp_path: Path, seed: int
+) -> None:
+    control = _graded(tmp_path, ACKS_FIRST, seed)
+    assert _failed(control) == {"every_message_echoed"}, control.to_text()
+    verdict = _graded(tmp_path, UNHELD, seed)
+    assert "effects_on_the_workload" in _failed(verdict), verdict.to_text()
+    (check,) = [c for c in verdict.failures if c.name == "effects_on_the_workload"]
+    assert "the server never delivered" in check.message, check.message
+    solution = _graded(tmp_path, (EXAMPLE.folder / "solution" / EXAMPLE.file).read_text(), seed)
+    assert solution.passed, solution.to_text()

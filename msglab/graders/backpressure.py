@@ -413,6 +413,7 @@ class Lab:
         # Each answer names the order placed (Run.workload): intake A's planned kill lands only on an answer about
         # an order the grader placed, never on one about an order nobody placed.
         self.run.workload.only(*OUTCOMES)
+        self.run.workload.first_only(*OUTCOMES)  # an order is answered once: a second answer takes no kill
         for outcome in OUTCOMES:
             self.run.on(outcome, self._answered(outcome))
 

@@ -309,6 +309,7 @@ class Billing:
         run.on("reject", self.on_reject)
         run.on("guarantees", self.on_guarantees)
         run.workload.only("send_invoice", "invoice_sent", "settled")  # the calls crash points count, by order id
+        run.workload.held("send_invoice", "invoice_sent", "settled")  # and only about a request that worker got
 
     # --- requests ------------------------------------------------------------------------------
 

@@ -459,6 +459,7 @@ class _Lab:
         self.run.on("db_write", self.on_db_write)
         self.run.on("db_commit", self.on_db_commit)
         self.run.workload.only("charge")  # the calls crash points count by payment (a commit names none)
+        self.run.workload.held("charge")  # and only about a payment delivered to that worker
 
     def step(self, pid: str, text: str, ts: float | None = None) -> None:
         self.steps[pid].append((time.time() if ts is None else ts, text))

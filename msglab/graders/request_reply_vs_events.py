@@ -517,6 +517,7 @@ async def grade(run: Run) -> list[Check]:
     provider = Provider(run, email)
     run.on("send_email", provider.send_email)
     run.workload.only("send_email")
+    run.workload.held("send_email")  # and only on an event delivered to that worker
     email.prepare(len(plan.crashes) + 1)
     try:
         orders = await asyncio.gather(run.spawn("orders", params=PARAMS), run.spawn("orders", params=PARAMS))

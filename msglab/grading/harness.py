@@ -19,7 +19,10 @@ and a private socket for effects. The grader answers every effect call itself: i
 call, fires the child's planned crash if this is the call the plan names (the plan never
 leaves the grader), records the effect with the grader's clock, and only then replies. Once the
 grader registers the keys it published (`run.workload.add(key)`), calls about anything else are
-decoys that no crash point counts (`Workload`, `Run.workload_check`).
+decoys that no crash point counts (`Workload`, `Run.workload_check`); where it also asks for it
+(`run.workload.held(...)`), a call counts only about a message the broker delivered to that very
+process: each process gets an inbox of its own, and the grader takes a copy of what the server
+delivers there.
 Anything a child writes that does not follow the protocol ends that child, never the grader.
 """
 
@@ -29,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import re
@@ -57,7 +61,7 @@ from msglab.broker.users import (
 )
 from msglab.catalog import course_root
 from msglab.errors import GraderError
-from msglab.grading import nemesis, rules
+from msglab.grading import nemesis, observe, rules
 from msglab.grading.effects import EffectLog, Event, LearnerFileError, read_learner_file
 from msglab.grading.labkit import Names
 from msglab.grading.nemesis import Crash
@@ -138,6 +142,12 @@ class Child:
     calls: Counter[str] = field(default_factory=Counter)  # effect calls crash points count, by name (no decoys)
     all_calls: int = 0  # every effect call, decoys too (bounded by MESSAGE_LIMIT)
     decoys: list[tuple[str, str]] = field(default_factory=list)  # (effect, key) calls about no message of the run
+    # Calls about a message of the run that no crash point counts (Workload.held / first_only): (effect, key, why)
+    uncounted: list[tuple[str, str, str]] = field(default_factory=list)
+    inbox: str = ""  # this process's own inbox prefix (MSGLAB_INBOX), where the server delivers its messages
+    delivered: set[str] = field(default_factory=set)  # the run's keys of messages the server delivered to `inbox`
+    counted: set[tuple[str, str]] = field(default_factory=set)  # (effect, key) calls a crash point counted
+    _deliveries: Any = None  # the grader's subscription on `inbox`
     fired: list[Crash] = field(default_factory=list)
     killed: str = ""  # "nemesis" or "grader": who ended it; empty if it died by itself
     broken: dict[str, Any] | None = None  # set when the learner's file did not import
@@ -279,6 +289,9 @@ class Workload:
     def __init__(self) -> None:
         self.keys: set[str] = set()
         self.effects: set[str] | None = None  # the effects whose keys name messages (None: every effect)
+        self.held_effects: set[str] = set()  # counted only about a message delivered to the calling process
+        self.first_effects: set[str] = set()  # counted only on a process's first call about a key
+        self.key_of: Callable[[bytes, dict[str, str]], set[str]] | None = None  # the run's keys a message names
 
     def add(self, *keys: object) -> None:
         """Register the keys of messages the run published (or is about to)."""
@@ -293,6 +306,51 @@ class Workload:
         judged = self.effects is None or name in self.effects
         armed = bool(self.keys) or self.effects is not None
         return armed and judged and key is not None and key not in self.keys
+
+    def held(self, *effects: str, key_of: Callable[[bytes, dict[str, str]], set[str]] | None = None) -> None:
+        """Count these effects' calls only about a message the server delivered to the calling process.
+
+        A decoy may name a real message (published, guessed from its name, or seen in a sibling's
+        delivery) that its process does not hold: a kill on that call costs the run nothing. Which keys
+        a delivered message carries: `key_of(data, headers)`, by default every registered key its body
+        or headers name as a whole word. Call it before the first spawn.
+        """
+        self.held_effects.update(effects)
+        if key_of is not None:
+            self.key_of = key_of
+
+    def first_only(self, *effects: str) -> None:
+        """Count these effects' calls only on a process's first call about a key (an answer, given once)."""
+        self.first_effects.update(effects)
+
+    def keys_in(self, data: bytes, headers: dict[str, str] | None) -> set[str]:
+        """The registered keys a delivered message names."""
+        if self.key_of is not None:
+            with contextlib.suppress(Exception):  # a message the learner wrote may be anything
+                return {key for key in self.key_of(data, headers or {}) if key in self.keys}
+            return set()
+        text = data[:KEY_SCAN].decode("utf-8", "replace") + " " + " ".join(map(str, (headers or {}).values()))
+        return {word for word in _WORD.findall(text) if word in self.keys}
+
+
+KEY_SCAN = 1 << 16  # the bytes of a delivered message searched for the run's keys
+_WORD = re.compile(r"[A-Za-z0-9_#-]+")  # a key as a whole word: o-1 is not found inside o-10
+
+
+@dataclass
+class _Deliveries:
+    """The grader's copy of one learner process's inbox: the run's keys a stream delivered there."""
+
+    workload: Workload
+    root: str  # the learner's inbox subjects: a message under them was published on an inbox, not delivered
+    child: Child | None = None
+    sub: Any = None
+
+    async def on_message(self, msg: Any) -> None:
+        subject, reply = msg.subject or "", msg.reply or ""
+        if self.child is None or not reply.startswith("$JS.ACK.") or subject.startswith(self.root):
+            return
+        self.child.delivered |= self.workload.keys_in(msg.data or b"", msg.headers)
 
 
 class Run:
@@ -312,6 +370,7 @@ class Run:
         self.workload = Workload()  # the keys of the messages published: where planned crashes land
         self.server: EmbeddedServer | None = None
         self.children: list[Child] = []
+        self._spawns = itertools.count(1)  # numbers each spawn's inbox (spawns may start at once)
         self.tasks: list[asyncio.Task[Any]] = []
         self.nc: Any = None
         self.js: Any = None
@@ -535,9 +594,14 @@ class Run:
             return False, {}
         child.all_calls += 1
         crash, call = None, 0  # call 0: a decoy, counted by no crash point
+        why = "" if key is None else await self._holds(child, name, key)
         if self.workload.decoy(name, key):  # about no message of this run: never where a planned crash lands
             child.decoys.append((name, str(key)))
+        elif why:  # about a message this process does not hold, or answered already: no kill lands there
+            child.uncounted.append((name, str(key), why))
         else:
+            if key is not None:
+                child.counted.add((name, key))
             child.calls[name] += 1
             call = child.calls[name]
             due = [c for c in child.faults if (c.effect, c.call) == (name, call) and c not in child.fired]
@@ -610,13 +674,16 @@ class Run:
         Raises BrokenLearnerFile when the learner's file does not import.
         """
         env = dict(os.environ)
+        root = self.learner_inbox()
+        inbox = f"{root}.w{next(self._spawns)}" if root else ""  # this process's own (Workload.held)
+        deliveries = await self._watch_deliveries(inbox) if inbox else None
         env.update(
             MSGLAB_GRADER=self.grader,
             MSGLAB_ROLE=role,
             MSGLAB_SOURCE=self.source,
             MSGLAB_RUN_ID=self.sandbox.run_id,
             NATS_URL=self.learner_url,
-            MSGLAB_INBOX=self.inbox_prefix,
+            MSGLAB_INBOX=inbox,
             HOME=self.home,
             TMPDIR=self.home,
             MSGLAB_PREFIX=self.names.prefix,
@@ -631,7 +698,9 @@ class Run:
             env.pop(name, None)  # nothing that leads to the course's own files
         assert self.zygote is not None
         proc, grader_end = await self.zygote.spawn(env, self.home, self.sandbox.uid, LINE_LIMIT)
-        child = Child(role, proc, faults=list(faults or []))
+        child = Child(role, proc, faults=list(faults or []), inbox=inbox)
+        if deliveries is not None:
+            deliveries.child, child._deliveries = child, deliveries.sub
         child._ready = asyncio.get_running_loop().create_future()
         self.children.append(child)
         fx_reader, fx_writer = await asyncio.open_unix_connection(sock=grader_end, limit=LINE_LIMIT)
@@ -658,6 +727,30 @@ class Run:
             await child.kill()
             raise BrokenLearnerFile({"error": "DidNotStart", "message": f"the {role} process {ended}", "where": ""})
         return child
+
+    def learner_inbox(self) -> str:
+        """The learner's inbox subjects on this run's server (each process gets one below it), or ''
+        on a shared server msglab did not start, where no user keeps the learner to an inbox."""
+        return self.inbox_prefix or (LEARNER_INBOX if self.server is not None else "")
+
+    async def _watch_deliveries(self, inbox: str) -> _Deliveries:
+        """Take a copy of every message the server delivers to `inbox` (one process's): the keys of those a
+        stream delivered (a reply subject of $JS.ACK, under a stream's subject, not a publish on the inbox)."""
+        watch = _Deliveries(self.workload, self.learner_inbox() + ".")
+        watch.sub = await self.nc.subscribe(f"{inbox}.>", cb=watch.on_message)
+        await self.nc.flush()  # the server has the subscription before the process can fetch anything
+        return watch
+
+    async def _holds(self, child: Child, name: str, key: str) -> str:
+        """Why this call about a message of the run counts toward no crash ('' if it counts)."""
+        if name in self.workload.first_effects and (name, key) in child.counted:
+            return "again"
+        if name not in self.workload.held_effects or not child.inbox or key in child.delivered:
+            return ""
+        # The server sends the grader's copy as it sends the process's: wait for what it sent before now.
+        with contextlib.suppress(Exception):
+            await observe.caught_up(self.nc, [child._deliveries])
+        return "" if key in child.delivered else "not held"
 
     async def _read_stderr(self, child: Child) -> None:
         """Drain the child's output in chunks (a flood must never block it or slow the grader); keep the tail."""
@@ -748,7 +841,23 @@ class Run:
         terms (e.g. "email"). Fails with the calls about no message, by process.
         """
         title = f"every {words} is about a message the run published"
+        if self.workload.held_effects:
+            title = f"every {words} is about a message the run published, made by the process it was delivered to"
         decoys = [(child, name, key) for child in self.children for name, key in child.decoys]
+        unheld = [(c, name, key) for c in self.children for name, key, why in c.uncounted if why == "not held"]
+        if self.workload.keys and not decoys and unheld:
+            child, name, _ = unheld[0]
+            keys = list(dict.fromkeys(key for c, _, key in unheld if c is child))
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            return Check(
+                "effects_on_the_workload",
+                title,
+                False,
+                f"your {child.role} process {child.pid} called {name} for {shown}, but the server never delivered "
+                f"{'that message' if len(keys) == 1 else 'those messages'} to it ({rules.plural(len(unheld), 'call')} "
+                "about messages a process did not receive, in all).",
+                hint=f"make each {words} only about a message that process received from the server, after it came",
+            )
         if not self.workload.keys or not decoys:
             return Check("effects_on_the_workload", title, True)
         child, name, _ = decoys[0]

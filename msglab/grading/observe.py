@@ -51,7 +51,8 @@ class Pull:
     batch: int
     expires: float  # seconds the request may wait (0: none given)
     no_wait: bool
-    inbox: str = ""  # the reply inbox's prefix: one per connection, so it tells workers apart
+    inbox: str = ""  # the reply inbox: one per pull subscription, so it tells workers apart
+    durable: str = ""  # the durable it asked (a watch of durable '*' sees every one's)
 
 
 CATCH_UP_LIMIT = 2.0  # seconds caught_up waits for a subscription's queue (its callbacks never block)
@@ -181,7 +182,7 @@ class BrokerWatch:
         if not isinstance(request, dict):
             request = {}
         reply = msg.reply or ""
-        inbox = ".".join(reply.split(".")[:2])
+        inbox = reply  # a pull subscription's own inbox (nats-py: the process's prefix and a unique token)
         first = reply.split(".")[0]
         if first and self._nc is not None and not reply.startswith(self._inboxes) and len(self._inboxes) < 8:
             # A worker with an inbox of its own choosing: its deliveries are watched from now on.
@@ -191,7 +192,8 @@ class BrokerWatch:
             batch, expires = int(request.get("batch", 1)), float(request.get("expires", 0)) / 1e9
         except (TypeError, ValueError, OverflowError):
             return  # the server refuses a malformed request too
-        self.pulls.append(Pull(time.time(), batch, expires, bool(request.get("no_wait")), inbox))
+        durable = (msg.subject or "").rsplit(".", 1)[-1]
+        self.pulls.append(Pull(time.time(), batch, expires, bool(request.get("no_wait")), inbox, durable))
 
     def acked(self, stream_seq: int, before: float | None = None) -> Ack | None:
         """The first ack of that message (before a time, if given), or None."""
