@@ -1,8 +1,9 @@
 """Lesson 07's plumbing: the dual write and the relay's resend, in real processes under real SIGKILLs.
 
     result = await pipeline.dual_write("commit_then_publish", orders=50, kills=5, seed=1)
-    result.lost, result.phantom, result.table()
-    resend = await pipeline.relay_resend(window=0.5)     # the relay dies after an ack, before saving
+    result.lost, result.phantom, pipeline.table(result, other)   # other runs side by side
+    resend = await pipeline.relay_resend()                       # the relay dies after an ack, before saving
+    resend = await pipeline.relay_resend(window=0.5, past_window=True)   # ... and stays down past the window
 
 `dual_write` runs a checkout process (the grading harness's service role, as msglab.demos.idempotency
 runs its workers) that places `orders` seeded orders one request at a time, in one of three ways:
