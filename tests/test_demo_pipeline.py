@@ -108,3 +108,44 @@ def test_a_checkout_that_fails_on_its_own_stops_the_run_instead_of_being_counted
 
     with pytest.raises(RuntimeError, match=r"checkout of o-001 raised ValueError\(card declined for o-001\)"):
         asyncio.run(pipeline.dual_write(declines, orders=3, kills=0))
+
+
+def test_the_live_shop_takes_each_order_through_every_hop_to_a_final_status_on_its_page(
+    server: EmbeddedServer,
+) -> None:
+    """Checkout's outbox, the relay, payments (dedup table, idempotency key), email and the page, in one
+    process on a real server: an order under the card limit ends confirmed with a receipt, one over it failed
+    and dead-lettered; its trace holds every hop; a stalled payments consumer's queue deepens by each order."""
+
+    async def body() -> tuple[dict[str, str], Any, int, list[int], list[int], str]:
+        nc = await nats.connect(server.url)
+        shop = await pipeline.Shop.open(nc, nc.jetstream())
+        try:
+            page = await shop.page()
+            small = {"id": "o-1", "customer": "c-1", "cents": 1200}
+            large = {"id": "o-2", "customer": "c-2", "cents": pipeline.CARD_LIMIT + 1}
+            final = await shop.settled(await shop.place([small, large]))
+            path = await shop.trace("o-1")
+            dlq = await shop.dlq_depth()
+            shop.stall()
+            readings = await shop.watch([{"id": f"o-{i}", "customer": "c-3", "cents": 900} for i in (3, 4, 5)])
+            stalled = [r.consumers["payments"][0] for r in readings]
+            shop.release()
+            await shop.settled(["o-3", "o-4", "o-5"])
+            after = (await shop.lag()).consumers["payments"][0]
+            charges = [c.reference for c in shop._gateway.charges()]
+            return final, path, dlq, stalled, [after], ",".join(sorted(str(c) for c in charges)) + page.url[:4]
+        finally:
+            await shop.close()
+            await nc.close()
+
+    final, path, dlq, stalled, after, charged = asyncio.run(body())
+    assert final == {"o-1": "confirmed", "o-2": "failed"}
+    assert dlq == 1
+    what = [hop.what for hop in path.hops]
+    assert what[0] in ("lesson07.orders.placed", "lesson07.orders.status.o-1")  # both rows of one transaction
+    for hop in ("lesson07.orders.placed", "lesson07.orders.status.o-1", "lesson07.orders.email.sent.o-1",
+                "shown pending", "shown confirmed"):  # fmt: skip
+        assert hop in what, (hop, path)
+    assert stalled == [1, 2, 3] and after == [0]  # nothing paid while stalled; all of it once released
+    assert charged == "o-1,o-3,o-4,o-5http"  # each confirmed order charged once, the failed one never

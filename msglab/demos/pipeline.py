@@ -38,7 +38,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from msglab.demos.delivery_guarantees import write_handler
@@ -47,7 +47,9 @@ from msglab.grading.nemesis import rng
 from msglab.grading.rules import plural
 from msglab.grading.sandbox import Sandbox
 from msglab.grading.scaffold import HeldSpawns, held
-from msglab.world.outbox import CORRELATION_ID, INSERT_ORDER, INSERT_OUTBOX, counts, open_store, order_ids, place_order
+from msglab.world.correlation import Hop as Hop  # re-exported: lesson 07 and its tests name them here
+from msglab.world.correlation import Trace, carry, trace
+from msglab.world.outbox import INSERT_ORDER, INSERT_OUTBOX, counts, event, open_store, order_ids, place_order
 from msglab.world.relay import MSG_ID, Relay
 
 if TYPE_CHECKING:  # only named: every run imports this module to list the course's streams, and needs no web server
@@ -143,6 +145,23 @@ async def stored(js: Any, stream: str, subject: str) -> list[tuple[str, str]]:
             body = json.loads(msg.data)
             found.append((str(body.get("id")), (msg.headers or {}).get(MSG_ID, "")))
     return found
+
+
+async def stored_orders(js: Any, stream: str, subject: str) -> list[dict[str, Any]]:
+    """The orders (event bodies) the stream holds on `subject`, in stream order, a copy stored twice twice."""
+    info = await js.stream_info(stream)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(stream, seq)
+        if msg.subject == subject:
+            found.append(dict(json.loads(msg.data)))
+    return found
+
+
+def as_payments(orders: Sequence[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
+    """Orders as the payments consumer's messages (lesson 03's shape), one per stored event, duplicates kept:
+    payment id `<tag>-<order id>` (the gateway keeps its charges across runs), the customer's account."""
+    return [{"payment_id": f"{tag}-{o['id']}", "account": o["customer"], "cents": o["cents"]} for o in orders]
 
 
 @dataclass
@@ -359,6 +378,7 @@ class Resend:
     down: float  # seconds between the kill and the next relay's start
     answers: list[bool]  # the PubAck's `duplicate` for each publish of that row, as the relays saw them
     copies: dict[str, int]  # Msg-Id -> messages the stream holds with it
+    events: list[dict[str, Any]] = field(default_factory=list)  # the orders the stream holds, in stream order
 
     @property
     def resent(self) -> bool:
@@ -420,65 +440,241 @@ async def relay_resend(
             copies = Counter(
                 msg_id for _, msg_id in await stored(lab.js, lab.names.stream(STREAM), lab.names.subject(SUBJECT))
             )
+            events = await stored_orders(lab.js, lab.names.stream(STREAM), lab.names.subject(SUBJECT))
             answers = [bool(e.detail["duplicate"]) for e in lab.log.events("note", "acked") if e.key == str(kill_at)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return Resend(window, rows, kill_at, down[0], answers, dict(copies))
+    return Resend(window, rows, kill_at, down[0], answers, dict(copies), events)
 
 
-# --- one order's path: the correlation id --------------------------------------------------------
+# --- one order's path: carry and trace live in msglab.world.correlation (a grader imports no demo) ---------
 
 
-def carry(incoming: Any = None, *, start: str | None = None, **headers: str) -> dict[str, str]:
-    """Headers for the next hop: `headers` plus the Correlation-Id of `incoming` (a message, or its headers);
-    the first hop, with nothing to carry, starts one (`start`, e.g. the order id)."""
-    given = getattr(incoming, "headers", incoming) or {}
-    correlation_id = given.get(CORRELATION_ID) or start
-    if not correlation_id:
-        raise ValueError(f"no {CORRELATION_ID} to carry: the first hop starts one (start=...)")
-    return {**headers, CORRELATION_ID: str(correlation_id)}
+# --- the charges the gateway made: the double-charge incident's count ------------------------------
+
+
+def double_charged(bench: Any, payments: Sequence[dict[str, Any]]) -> list[str]:
+    """Payments (of these) that lesson 03's gateway charged more than once, from the gateway's own store."""
+    from msglab.world.gateway import DEFAULT_WINDOW as KEY_WINDOW
+    from msglab.world.gateway import GatewayView
+
+    ids = {p["payment_id"] for p in payments}
+    charges = Counter(
+        c.reference for c in GatewayView(bench.gateway_db, "", KEY_WINDOW).charges() if c.reference in ids
+    )
+    return sorted(str(pid) for pid, n in charges.items() if n > 1)
+
+
+# --- the live pipeline: checkout, relay, payments, email and the status page in the notebook ------------
+
+LIVE_STREAM = "LESSON07_ORDERS"  # lesson07.orders.>: placed, status.<id>, payments.dlq, email.sent.<id>
+STREAMS = (STREAM, LIVE_STREAM)
+DURABLES = ("lesson07_payments", "lesson07_email")
+LIVE = "lesson07.orders"
+CARD_LIMIT = 15_000  # cents: payments refuses a larger order for good (a permanent failure, dead-lettered)
+PROCESSED = "create table if not exists processed (order_id text primary key)"
+
+
+def checkout(db: Any, order: dict[str, Any], prefix: str = LIVE) -> None:
+    """Checkout's one transaction: the order, its `placed` event and its `pending` status, both in the outbox,
+    both carrying a Correlation-Id it starts (the order id)."""
+    headers = json.dumps(carry(start=order["id"]))
+    status = json.dumps({"id": order["id"], "status": "pending"}).encode()
+    with db:
+        db.execute(INSERT_ORDER, order)
+        for subject, payload in ((f"{prefix}.placed", event(order)), (f"{prefix}.status.{order['id']}", status)):
+            db.execute(INSERT_OUTBOX, {"id": order["id"], "subject": subject, "payload": payload, "headers": headers})
 
 
 @dataclass(frozen=True)
-class Hop:
-    """One step of an order's path: when (time.time()), where it was recorded, what happened."""
+class Lag:
+    """One reading of every consumer: when, each durable's (depth, queue age s, status), the DLQ's depth."""
 
-    ts: float
-    where: str
-    what: str
-
-
-@dataclass
-class Trace:
-    """One order's path through the services, oldest first, timed from its first hop."""
-
-    correlation_id: str
-    hops: list[Hop]
-
-    @property
-    def seconds(self) -> float:
-        """From the first hop to the last."""
-        return self.hops[-1].ts - self.hops[0].ts if self.hops else 0.0
+    t: float
+    consumers: dict[str, tuple[int, float, str]]
+    dlq: int
 
     def __repr__(self) -> str:
-        t0 = self.hops[0].ts if self.hops else 0.0
-        lines = [f"{self.correlation_id}: {len(self.hops)} hops in {self.seconds * 1000:.1f} ms"]
-        lines += [f"  +{(hop.ts - t0) * 1000:7.1f} ms  {hop.what:<28} {hop.where}" for hop in self.hops]
-        return "\n".join(lines)
+        cells = "  ".join(
+            f"{name}: {d:>2} deep, {age:5.2f} s old, {st:<7}" for name, (d, age, st) in self.consumers.items()
+        )
+        return f"{cells}  DLQ: {self.dlq}"
 
 
-async def trace(js: Any, correlation_id: str, streams: Sequence[str] = (), page: StatusPage | None = None) -> Trace:
-    """Rebuild one order's path: every message in `streams` carrying this Correlation-Id (stamped by the
-    server when it stored it) and every change `page` showed that an event with this id brought (its own clock)."""
-    hops = []
-    for stream in streams:
-        info = await js.stream_info(stream)
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            msg = await js.get_msg(stream, seq)
-            if (msg.headers or {}).get(CORRELATION_ID) == correlation_id:
-                hops.append(Hop(msg.time.timestamp(), f"{stream} #{seq}", str(msg.subject)))
-    if page is not None:
-        hops += [
-            Hop(c.ts, "status page", f"shown {c.status}") for c in page.changes if c.correlation_id == correlation_id
+class Shop:
+    """Lesson 07's pipeline, live in the notebook: checkout writes the outbox, the course's relay publishes it,
+    payments charges lesson 03's gateway (idempotency key and dedup table), email sends a receipt, and each
+    hop carries the order's Correlation-Id. Open the status page with `await shop.page()`."""
+
+    def __init__(self, nc: Any, js: Any, folder: str) -> None:
+        self.nc, self.js, self.folder = nc, js, folder
+        self.path = os.path.join(folder, "shop.sqlite")
+        self.db = open_store(self.path)
+        self.db.execute(PROCESSED)
+        self.lags: list[Lag] = []
+        self.budget = 2.0  # seconds of queue age this shop promises (scaled down from minutes)
+        self._paying = asyncio.Event()
+        self._paying.set()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._page: StatusPage | None = None
+        self._gateway: Any = None
+        self.gateway_subject = f"{LIVE}.gateway.charge"
+
+    @classmethod
+    async def open(cls, nc: Any, js: Any) -> Shop:
+        """The stream, the shop's database, the gateway (lesson 03's, served here), the relay and the consumers."""
+        import tempfile
+
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        from msglab.broker import delete_streams
+        from msglab.world import gateway as gw
+
+        await delete_streams(js, "LESSON07_")  # an interrupted run's leftovers
+        await js.add_stream(name=LIVE_STREAM, subjects=[f"{LIVE}.>"], duplicate_window=DEFAULT_WINDOW)
+        shop = cls(nc, js, tempfile.mkdtemp(prefix="msglab-lesson07-"))
+        gw.open_store(os.path.join(shop.folder, "gateway.sqlite")).close()
+        shop._gateway = await gw.attach(nc, os.path.join(shop.folder, "gateway.sqlite"), prefix=f"{LIVE}.gateway")
+        for durable, subject in ((DURABLES[0], f"{LIVE}.placed"), (DURABLES[1], f"{LIVE}.status.*")):
+            config = ConsumerConfig(
+                durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=5
+            )
+            await js.add_consumer(LIVE_STREAM, config)
+        relay = Relay(open_store(shop.path), js)
+        shop._tasks = [
+            asyncio.ensure_future(relay.run(shop._stop)),
+            asyncio.ensure_future(shop._consume(DURABLES[0], f"{LIVE}.placed", shop._pay)),
+            asyncio.ensure_future(shop._consume(DURABLES[1], f"{LIVE}.status.*", shop._email)),
         ]
-    return Trace(correlation_id, sorted(hops, key=lambda hop: hop.ts))
+        return shop
+
+    async def page(self) -> StatusPage:
+        """Start the status page on the stream (from its start) and return it; `page.url` to open."""
+        from msglab.world.status_page import StatusPage
+
+        if self._page is None:
+            self._page = await StatusPage.start(self.nc, subject=f"{LIVE}.status.>", stream=LIVE_STREAM)
+        return self._page
+
+    async def place(self, orders: Sequence[dict[str, Any]]) -> list[str]:
+        """Checkout places each order (one transaction each); the relay publishes them as it finds them."""
+        for order in orders:
+            checkout(self.db, order)
+        return [str(o["id"]) for o in orders]
+
+    async def _consume(self, durable: str, subject: str, handle: Callable[[Any], Any]) -> None:
+        sub = await self.js.pull_subscribe(subject, durable=durable, stream=LIVE_STREAM)
+        while not self._stop.is_set():
+            try:
+                msgs = await sub.fetch(10, timeout=0.5)
+            except TimeoutError:  # nats-py's fetch timeout is one
+                continue
+            for msg in msgs:
+                await handle(msg)
+
+    async def _pay(self, msg: Any) -> None:
+        """Payments: once per order (dedup table), the gateway told the order id as idempotency key."""
+        from msglab.world.gateway import charge
+
+        await self._paying.wait()  # stall(): payments stops taking work, the queue ages
+        order = json.loads(msg.data)
+        if self.db.execute("select 1 from processed where order_id = ?", (order["id"],)).fetchone():
+            return await msg.ack_sync()
+        if order["cents"] > CARD_LIMIT:  # a permanent failure: dead-letter it, tell the customer, never retry
+            await self.js.publish(f"{LIVE}.payments.dlq", msg.data, headers=carry(msg, Reason="over the card limit"))
+            status = "failed"
+        else:
+            await charge(self.nc, self.gateway_subject, order["customer"], order["cents"], reference=order["id"],
+                         idempotency_key=order["id"])  # fmt: skip
+            status = "confirmed"
+        body = json.dumps({"id": order["id"], "status": status}).encode()
+        await self.js.publish(f"{LIVE}.status.{order['id']}", body, headers=carry(msg))
+        with self.db:
+            self.db.execute("insert into processed (order_id) values (?) on conflict do nothing", (order["id"],))
+        await msg.ack_sync()
+
+    async def _email(self, msg: Any) -> None:
+        """Email: a receipt for each confirmed order (its own hop, carrying the id)."""
+        body = json.loads(msg.data)
+        if body.get("status") == "confirmed":
+            await self.js.publish(f"{LIVE}.email.sent.{body['id']}", msg.data, headers=carry(msg))
+        await msg.ack_sync()
+
+    def stall(self) -> None:
+        """Payments stops taking orders (a slow gateway, a stuck deploy): its queue ages."""
+        self._paying.clear()
+
+    def release(self) -> None:
+        """Payments takes orders again."""
+        self._paying.set()
+
+    async def lag(self) -> Lag:
+        """Read every consumer's depth and queue age now, and its status over the readings so far (lesson 05's
+        rule: ERROR at the budget, WARNING when the age grows at least half as fast as the clock)."""
+        from msglab.world.fulfilment import depth_and_age, status
+
+        now, seen = time.time(), {}
+        for durable, subject in ((DURABLES[0], f"{LIVE}.placed"), (DURABLES[1], f"{LIVE}.status.*")):
+            depth, age = await depth_and_age(self.js, LIVE_STREAM, durable, subject)
+            name = durable.removeprefix("lesson07_")
+            history = [(x.t, x.consumers[name][1]) for x in self.lags[-5:]] + [(now, age)]
+            seen[name] = (depth, age, status(history, self.budget))
+        lag = Lag(now, seen, await self.dlq_depth())
+        self.lags.append(lag)
+        return lag
+
+    async def dlq_depth(self) -> int:
+        """Messages waiting in the payments DLQ."""
+        info = await self.js.stream_info(LIVE_STREAM, subjects_filter=f"{LIVE}.payments.dlq")
+        return int(sum((info.state.subjects or {}).values()))
+
+    async def watch(self, orders: Sequence[dict[str, Any]]) -> list[Lag]:
+        """Place the orders one by one; after each order's event is stored (the server says so), print a reading."""
+        stored_now: asyncio.Queue[str] = asyncio.Queue()
+
+        async def on_placed(msg: Any) -> None:
+            stored_now.put_nowait(json.loads(msg.data)["id"])
+
+        sub = await self.nc.subscribe(f"{LIVE}.placed", cb=on_placed)
+        from msglab.broker import settle_subscriptions
+
+        await settle_subscriptions(self.nc)
+        readings = []
+        try:
+            for order in orders:
+                await self.place([order])
+                async with asyncio.timeout(CALL_TIMEOUT):
+                    while await stored_now.get() != order["id"]:
+                        pass
+                readings.append(await self.lag())
+                print(f"{order['id']} stored  {readings[-1]}")
+        finally:
+            await sub.unsubscribe()
+        return readings
+
+    async def settled(self, ids: Sequence[str], timeout: float = CALL_TIMEOUT) -> dict[str, str]:
+        """Wait until the page shows a final status for each order; return what it shows."""
+        page = await self.page()
+        for oid in ids:
+            await page.final(oid, timeout)
+        return {oid: page.orders[oid] for oid in ids}
+
+    async def trace(self, order_id: str) -> Trace:
+        """One order's path through every hop, by its Correlation-Id."""
+        return await trace(self.js, order_id, [LIVE_STREAM], self._page)
+
+    async def close(self) -> None:
+        """Stop the services and the page, delete the stream, remove the databases."""
+        from msglab.broker import delete_streams
+
+        self._stop.set()
+        self._paying.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._page is not None:
+            await self._page.stop()
+        if self._gateway is not None:
+            await self._gateway.stop()
+        self.db.close()
+        await delete_streams(self.js, "LESSON07_")
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -147,6 +147,16 @@ class StatusPage:
                 self._waiters.append(waiter)
                 await waiter  # set by the next change
 
+    async def final(self, order_id: str, timeout: float = 10.0) -> str:
+        """Return the order's final status (confirmed or failed) once the page shows one (TimeoutError after
+        `timeout` s)."""
+        async with asyncio.timeout(timeout):
+            while self.orders.get(order_id) not in FINAL:
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                await waiter  # set by the next change
+        return self.orders[order_id]
+
     async def _on_event(self, msg: Any) -> None:
         try:
             body = json.loads(msg.data)
