@@ -849,6 +849,20 @@ def _parked_check(shop: Shop) -> Check:
             f"{poison.key}'s {poison.kind} was never given to env.apply, so the order on hold was never met.",
             trace=shop.trace(poison.key), hint="apply every event of your partition through env.apply",
         )  # fmt: skip
+    pulled = sorted({p.durable for p in shop.watch.pulls})
+    prefix = f"{shop.run.names.prefix}_" if shop.run.names.prefix else ""
+    if len(pulled) == 1:
+        # Whether a refused order's later events reach the worker that met the refusal is then the broker's
+        # choice, not the file's: judged the same way whichever worker the broker picks.
+        return Check(
+            "parked_key_resumes_in_order", title, False,
+            f"every worker pulled from one durable ({pulled[0].removeprefix(prefix)}), so {poison.key}'s later"
+            " events went to whichever worker asked next, not to the one that met the refusal: an order can be"
+            " parked only where one worker owns its key.",
+            trace=shop.trace(poison.key),
+            hint="give each partition a durable of its own, pulled by one worker, so one worker sees all of a key's"
+            " events and can hold them back",
+        )  # fmt: skip
     early = [a for a in mine if a.seq > poison.seq and shop.wall(a) < shop.resolved_at]
     if early:
         a = early[0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class Pull:
     batch: int
     expires: float  # seconds the request may wait (0: none given)
     no_wait: bool
-    inbox: str = ""  # the reply inbox: one per pull subscription, so it tells workers apart
+    inbox: str = ""  # the reply inbox: one per pull subscription (or connection), so it tells workers apart
     durable: str = ""  # the durable it asked (a watch of durable '*' sees every one's)
 
 
@@ -69,6 +70,9 @@ async def caught_up(nc: Any, subs: list[Any]) -> None:
         if queue is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(queue.join(), CATCH_UP_LIMIT)
+
+
+_PROCESS = re.compile(r"w[0-9]+")  # the token a run adds to the learner's inbox prefix for each process (harness)
 
 
 def _delivery_of(subject: str) -> tuple[int, int] | None:
@@ -182,7 +186,10 @@ class BrokerWatch:
         if not isinstance(request, dict):
             request = {}
         reply = msg.reply or ""
-        inbox = reply  # a pull subscription's own inbox (nats-py: the process's prefix and a unique token)
+        # The inbox a pull's reply names: nats-py's is <prefix>.<token> per pull subscription (per connection for
+        # its request mux, <prefix>.<token>.<n>), where a run's prefix is the learner's plus one token per process.
+        tokens = reply.split(".")
+        inbox = ".".join(tokens[: 3 if len(tokens) > 2 and _PROCESS.fullmatch(tokens[1]) else 2])
         first = reply.split(".")[0]
         if first and self._nc is not None and not reply.startswith(self._inboxes) and len(self._inboxes) < 8:
             # A worker with an inbox of its own choosing: its deliveries are watched from now on.
