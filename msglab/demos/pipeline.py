@@ -501,6 +501,27 @@ class Lag:
         return f"{cells}  DLQ: {self.dlq}"
 
 
+@dataclass(frozen=True)
+class Link:
+    """A URL shown as a clickable link in a notebook (and as the plain URL elsewhere)."""
+
+    url: str
+
+    def __repr__(self) -> str:
+        return self.url
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        shown = escape(self.url)
+        return f'<a href="{shown}" target="_blank">{shown}</a> (the status page; it opens in a new tab)'
+
+
+def link(url: str) -> Link:
+    """Show `url` as a link a learner can click."""
+    return Link(url)
+
+
 class Shop:
     """Lesson 07's pipeline, live in the notebook: checkout writes the outbox, the course's relay publishes it,
     payments charges lesson 03's gateway (idempotency key and dedup table), email sends a receipt, and each
@@ -515,6 +536,8 @@ class Shop:
         self.budget = 2.0  # seconds of queue age this shop promises (scaled down from minutes)
         self._paying = asyncio.Event()
         self._paying.set()
+        self.paid: set[str] = set()  # orders payments has acked (charged once, or dead-lettered)
+        self._acked = asyncio.Condition()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._page: StatusPage | None = None
@@ -593,6 +616,9 @@ class Shop:
         with self.db:
             self.db.execute("insert into processed (order_id) values (?) on conflict do nothing", (order["id"],))
         await msg.ack_sync()
+        async with self._acked:
+            self.paid.add(str(order["id"]))
+            self._acked.notify_all()
 
     async def _email(self, msg: Any) -> None:
         """Email: a receipt for each confirmed order (its own hop, carrying the id)."""
@@ -654,8 +680,10 @@ class Shop:
         return readings
 
     async def settled(self, ids: Sequence[str], timeout: float = CALL_TIMEOUT) -> dict[str, str]:
-        """Wait until the page shows a final status for each order; return what it shows."""
+        """Wait until payments has acked each order and the page shows its final status; return what it shows."""
         page = await self.page()
+        async with self._acked:
+            await asyncio.wait_for(self._acked.wait_for(lambda: self.paid.issuperset(ids)), timeout)
         for oid in ids:
             await page.final(oid, timeout)
         return {oid: page.orders[oid] for oid in ids}
