@@ -527,7 +527,7 @@ async def grade(run: Run) -> list[Check]:
         _owner_check(shop),
         _rescale_check(shop, spanning),
         _layout_check(shop, [*orders[cut:], *burst]),
-        _parked_check(shop),
+        _parked_check(shop, {info.config.durable_name for info in durables}),
         _flow_check(shop, burst),
         _throughput_check(measured, len(backlog)),
         _acked_check(drained_info),
@@ -837,7 +837,7 @@ def _layout_check(shop: Shop, events: list[Event]) -> Check:
     return Check(check, title, False, message, hint=hint)
 
 
-def _parked_check(shop: Shop) -> Check:
+def _parked_check(shop: Shop, durables: set[str]) -> Check:
     title = "a refused order is parked: its events are applied in order once it is resolved"
     poison = shop.poison
     assert poison is not None
@@ -849,7 +849,7 @@ def _parked_check(shop: Shop) -> Check:
             f"{poison.key}'s {poison.kind} was never given to env.apply, so the order on hold was never met.",
             trace=shop.trace(poison.key), hint="apply every event of your partition through env.apply",
         )  # fmt: skip
-    pulled = sorted({p.durable for p in shop.watch.pulls})
+    pulled = sorted({p.durable for p in shop.watch.pulls if p.durable in durables})  # not a replay's ephemeral
     prefix = f"{shop.run.names.prefix}_" if shop.run.names.prefix else ""
     if len(pulled) == 1:
         # Whether a refused order's later events reach the worker that met the refusal is then the broker's
