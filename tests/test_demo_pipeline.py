@@ -149,3 +149,32 @@ def test_the_live_shop_takes_each_order_through_every_hop_to_a_final_status_on_i
         assert hop in what, (hop, path)
     assert stalled == [1, 2, 3] and after == [0]  # nothing paid while stalled; all of it once released
     assert charged == "o-1,o-3,o-4,o-5http"  # each confirmed order charged once, the failed one never
+
+
+def test_a_relay_resend_is_dropped_inside_the_duplicate_window_and_stored_twice_past_it(no_nats_url: None) -> None:
+    """The server's own answers: the PubAck of the resend says duplicate inside the window, new past it; the
+    stream then holds that order twice, and the resend's events list it twice (what payments will receive)."""
+
+    async def body() -> tuple[pipeline.Resend, pipeline.Resend]:
+        return await pipeline.relay_resend(), await pipeline.relay_resend(window=0.5, past_window=True)
+
+    inside, past = asyncio.run(body())
+    assert inside.answers == [False, True] and inside.stored_twice == [] and inside.copies["3"] == 1
+    assert past.answers == [False, False] and past.stored_twice == ["3"]
+    assert [o["id"] for o in past.events] == ["o-001", "o-002", "o-003", "o-003", "o-004", "o-005"]
+    assert [p["payment_id"] for p in pipeline.as_payments(past.events, "t")][2:4] == ["t-o-003", "t-o-003"]
+
+
+def test_the_servers_default_duplicate_window_is_read_from_a_stream_made_without_one(server: EmbeddedServer) -> None:
+    async def body() -> tuple[float, list[str]]:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        try:
+            window = await pipeline.default_duplicate_window(js)
+            return window, [str(s.config.name) for s in await js.streams_info()]
+        finally:
+            await nc.close()
+
+    window, left = asyncio.run(body())
+    assert window == pipeline.DEFAULT_WINDOW == 120.0  # nats-server's default: two minutes
+    assert pipeline.PROBE_STREAM not in left

@@ -453,8 +453,9 @@ async def relay_resend(
 # --- the charges the gateway made: the double-charge incident's count ------------------------------
 
 
-def double_charged(bench: Any, payments: Sequence[dict[str, Any]]) -> list[str]:
-    """Payments (of these) that lesson 03's gateway charged more than once, from the gateway's own store."""
+def double_charged(bench: Any, payments: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Payment id -> charges, for the payments (of these) that lesson 03's gateway charged more than once,
+    read from the gateway's own store."""
     from msglab.world.gateway import DEFAULT_WINDOW as KEY_WINDOW
     from msglab.world.gateway import GatewayView
 
@@ -462,13 +463,23 @@ def double_charged(bench: Any, payments: Sequence[dict[str, Any]]) -> list[str]:
     charges = Counter(
         c.reference for c in GatewayView(bench.gateway_db, "", KEY_WINDOW).charges() if c.reference in ids
     )
-    return sorted(str(pid) for pid, n in charges.items() if n > 1)
+    return {str(pid): n for pid, n in sorted(charges.items()) if n > 1}
+
+
+async def default_duplicate_window(js: Any) -> float:
+    """The duplicate window, in seconds, that this server gives a stream created without one (asked, not assumed)."""
+    await js.add_stream(name=PROBE_STREAM, subjects=["lesson07.probe.>"])
+    try:
+        return float((await js.stream_info(PROBE_STREAM)).config.duplicate_window)
+    finally:
+        await js.delete_stream(PROBE_STREAM)
 
 
 # --- the live pipeline: checkout, relay, payments, email and the status page in the notebook ------------
 
 LIVE_STREAM = "LESSON07_ORDERS"  # lesson07.orders.>: placed, status.<id>, payments.dlq, email.sent.<id>
-STREAMS = (STREAM, LIVE_STREAM)
+PROBE_STREAM = "LESSON07_PROBE"  # a stream made only to read the server's default duplicate window
+STREAMS = (STREAM, LIVE_STREAM, PROBE_STREAM)
 DURABLES = ("lesson07_payments", "lesson07_email")
 LIVE = "lesson07.orders"
 CARD_LIMIT = 15_000  # cents: payments refuses a larger order for good (a permanent failure, dead-lettered)
