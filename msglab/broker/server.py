@@ -143,7 +143,22 @@ class EmbeddedServer:
         """Start the server and return once it says it is ready; raise ServerStartError if not."""
         sweep_stale_stores()
         self.store_dir = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
-        args = [self.binary.path, "-js", "-sd", self.store_dir, "-a", self.host, "-p", "-1"]
+        return self._launch(-1)
+
+    def restart(self) -> EmbeddedServer:
+        """Stop the server and start it again with the same config, store folder and port: what it kept on
+        file storage (streams, durables, their messages) survives, and clients reconnect to the same URL."""
+        if self.port is None or self.store_dir is None:
+            raise RuntimeError("server not started")
+        port = self.port
+        self._terminate()
+        self.port, self._listen_port = None, None
+        self._ready.clear()
+        return self._launch(port)
+
+    def _launch(self, port: int) -> EmbeddedServer:
+        assert self.store_dir is not None
+        args = [self.binary.path, "-js", "-sd", self.store_dir, "-a", self.host, "-p", str(port)]
         if self.monitor:
             args += ["-m", "-1"]
         if self.name:
@@ -205,6 +220,11 @@ class EmbeddedServer:
 
     def stop(self) -> None:
         """Terminate, then kill if it does not go within 5 s; remove the store folder."""
+        self._terminate()
+        self._cleanup_dir()
+        atexit.unregister(self.stop)
+
+    def _terminate(self) -> None:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -217,8 +237,6 @@ class EmbeddedServer:
             self._reader.join(2)
         if proc is not None and proc.stdout is not None:
             proc.stdout.close()
-        self._cleanup_dir()
-        atexit.unregister(self.stop)
 
     def _cleanup_dir(self) -> None:
         if self.store_dir:

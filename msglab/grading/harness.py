@@ -433,7 +433,12 @@ class Run:
             self.server = await asyncio.to_thread(EmbeddedServer(config=config).start)
             self.url = users.grader_url(self.server.url)
             self.learner_url = users.learner_url(self.server.url)
-        self.nc = await connect(self.url, name="msglab-grader", max_reconnect_attempts=1, reconnect_time_wait=0.1)
+        # A lab whose grader restarts the server (RECONNECTS, read by the runner too) lets connections ride it out.
+        reconnects = reconnects_of(importlib.import_module(self.grader))
+        quiet = {"error_cb": _quiet} if reconnects > 1 else {}  # a refused reconnect is expected, not news
+        self.nc = await connect(
+            self.url, name="msglab-grader", max_reconnect_attempts=reconnects, reconnect_time_wait=0.1, **quiet
+        )
         # Where the learner's deliveries arrive, for a BrokerWatch started on this connection (observe.py).
         self.nc.msglab_inboxes = [self.inbox_prefix or (LEARNER_INBOX if self.server is not None else "_INBOX")]
         self.js = self.nc.jetstream()
@@ -728,6 +733,17 @@ class Run:
             raise BrokenLearnerFile({"error": "DidNotStart", "message": f"the {role} process {ended}", "where": ""})
         return child
 
+    async def restart_broker(self) -> float:
+        """Stop the run's own server and start it again (same config, store folder and port); return when it
+        is back and the grader's connection with it. Streams and durables on file storage survive; processes
+        ride it out only where the grader's RECONNECTS allows their connections to reconnect."""
+        if self.server is None:
+            raise GraderError("this lab restarts the server, which only a run's own server allows")
+        started = time.time()
+        await asyncio.to_thread(self.server.restart)
+        await self.nc.flush(timeout=10)  # waits out the grader connection's reconnect
+        return started
+
     def learner_inbox(self) -> str:
         """The learner's inbox subjects on this run's server (each process gets one below it), or ''
         on a shared server msglab did not start, where no user keeps the learner to an inbox."""
@@ -885,6 +901,16 @@ class Run:
 
 RUNS_FOLDER = RUN_PREFIX + "folders"  # named like a run folder: a private /tmp shows the learner only that name
 _runs_folder: list[str] = []  # this process's, once made or checked
+
+
+async def _quiet(exc: Exception) -> None:
+    """A connection's error callback that says nothing (the client's default prints a traceback)."""
+
+
+def reconnects_of(grader: Any) -> int:
+    """How often a connection of this lab retries a lost server (its grader's RECONNECTS; 1 by default, so a
+    server that dies ends a run at once instead of leaving it waiting)."""
+    return int(getattr(grader, "RECONNECTS", 1))
 
 
 def runs_folder() -> str:
