@@ -117,6 +117,8 @@ def test_the_live_shop_takes_each_order_through_every_hop_to_a_final_status_on_i
     process on a real server: an order under the card limit ends confirmed with a receipt, one over it failed
     and dead-lettered; its trace holds every hop; a stalled payments consumer's queue deepens by each order."""
 
+    left: list[str] = []
+
     async def body() -> tuple[dict[str, str], Any, int, list[int], list[int], str]:
         nc = await nats.connect(server.url)
         shop = await pipeline.Shop.open(nc, nc.jetstream())
@@ -137,6 +139,7 @@ def test_the_live_shop_takes_each_order_through_every_hop_to_a_final_status_on_i
             return final, path, dlq, stalled, [after], ",".join(sorted(str(c) for c in charges)) + page.url[:4]
         finally:
             await shop.close()
+            left.extend(str(s.config.name) for s in await nc.jetstream().streams_info())
             await nc.close()
 
     final, path, dlq, stalled, after, charged = asyncio.run(body())
@@ -149,6 +152,26 @@ def test_the_live_shop_takes_each_order_through_every_hop_to_a_final_status_on_i
         assert hop in what, (hop, path)
     assert stalled == [1, 2, 3] and after == [0]  # nothing paid while stalled; all of it once released
     assert charged == "o-1,o-3,o-4,o-5http"  # each confirmed order charged once, the failed one never
+    assert not [name for name in left if name.startswith("LESSON07_")]  # close() leaves no stream behind
+
+
+def test_the_live_shop_says_which_service_stopped_instead_of_waiting_out_its_deadline(server: EmbeddedServer) -> None:
+    async def body() -> str:
+        nc = await nats.connect(server.url)
+        shop = await pipeline.Shop.open(nc, nc.jetstream())
+        try:
+            await shop._gateway.stop()  # the gateway is gone: payments' charge request has no responder
+            await shop.place([{"id": "o-9", "customer": "c-9", "cents": 900}])
+            with pytest.raises(RuntimeError) as stopped:
+                await shop.settled(["o-9"])
+            return str(stopped.value)
+        finally:
+            shop._gateway = None
+            await shop.close()
+            await nc.close()
+
+    said = asyncio.run(body())
+    assert said.startswith("lesson07_payments stopped on lesson07.orders.placed: NoRespondersError")
 
 
 def test_a_relay_resend_is_dropped_inside_the_duplicate_window_and_stored_twice_past_it(no_nats_url: None) -> None:

@@ -482,6 +482,7 @@ PROBE_STREAM = "LESSON07_PROBE"  # a stream made only to read the server's defau
 STREAMS = (STREAM, LIVE_STREAM, PROBE_STREAM)
 DURABLES = ("lesson07_payments", "lesson07_email")
 LIVE = "lesson07.orders"
+GATEWAY = "lesson07.gateway"  # outside the stream's subjects: a charge request stored by the stream gets its PubAck
 CARD_LIMIT = 15_000  # cents: payments refuses a larger order for good (a permanent failure, dead-lettered)
 PROCESSED = "create table if not exists processed (order_id text primary key)"
 
@@ -548,12 +549,13 @@ class Shop:
         self._paying = asyncio.Event()
         self._paying.set()
         self.paid: set[str] = set()  # orders payments has acked (charged once, or dead-lettered)
+        self.failed = ""  # how a service of this shop stopped, if one did: settled() says so instead of timing out
         self._acked = asyncio.Condition()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._page: StatusPage | None = None
         self._gateway: Any = None
-        self.gateway_subject = f"{LIVE}.gateway.charge"
+        self.gateway_subject = f"{GATEWAY}.charge"
 
     @classmethod
     async def open(cls, nc: Any, js: Any) -> Shop:
@@ -569,7 +571,7 @@ class Shop:
         await js.add_stream(name=LIVE_STREAM, subjects=[f"{LIVE}.>"], duplicate_window=DEFAULT_WINDOW)
         shop = cls(nc, js, tempfile.mkdtemp(prefix="msglab-lesson07-"))
         gw.open_store(os.path.join(shop.folder, "gateway.sqlite")).close()
-        shop._gateway = await gw.attach(nc, os.path.join(shop.folder, "gateway.sqlite"), prefix=f"{LIVE}.gateway")
+        shop._gateway = await gw.attach(nc, os.path.join(shop.folder, "gateway.sqlite"), prefix=GATEWAY)
         for durable, subject in ((DURABLES[0], f"{LIVE}.placed"), (DURABLES[1], f"{LIVE}.status.*")):
             config = ConsumerConfig(
                 durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=5
@@ -605,7 +607,13 @@ class Shop:
             except TimeoutError:  # nats-py's fetch timeout is one
                 continue
             for msg in msgs:
-                await handle(msg)
+                try:
+                    await handle(msg)
+                except Exception as exc:
+                    async with self._acked:
+                        self.failed = f"{durable} stopped on {msg.subject}: {exc!r}"
+                        self._acked.notify_all()
+                    raise
 
     async def _pay(self, msg: Any) -> None:
         """Payments: once per order (dedup table), the gateway told the order id as idempotency key."""
@@ -694,7 +702,9 @@ class Shop:
         """Wait until payments has acked each order and the page shows its final status; return what it shows."""
         page = await self.page()
         async with self._acked:
-            await asyncio.wait_for(self._acked.wait_for(lambda: self.paid.issuperset(ids)), timeout)
+            await asyncio.wait_for(self._acked.wait_for(lambda: self.failed or self.paid.issuperset(ids)), timeout)
+        if self.failed:
+            raise RuntimeError(self.failed)
         for oid in ids:
             await page.final(oid, timeout)
         return {oid: page.orders[oid] for oid in ids}
