@@ -17,16 +17,20 @@ it saved its position, and a fresh relay takes over. The outcome is counted from
 and from the stream, never from what a process printed: `lost` orders were committed and never
 published, `phantom` events name an order that was never committed, `twice` orders were stored twice.
 
-`carry(msg)` gives the next hop's headers with the `Correlation-Id` of the message in hand (checkout starts
-one: `carry(start=order_id)`, kept in the outbox row's headers, which the relay publishes as they are);
-`await trace(js, correlation_id, streams, page)` rebuilds one order's path from the course's records: the
-messages the streams hold with that id (the server's timestamps) and the changes the status page showed.
+`carry(msg)` and `trace(js, correlation_id, streams, page)` live in msglab.world.correlation (re-exported here):
+checkout starts the `Correlation-Id` (the order id) in its outbox rows' headers, each later hop copies it.
 
 `relay_resend` shows why a relay may resend and who catches it: the relay dies between the stream's
 ack and saving its position, and the next relay publishes that row again. Inside the stream's
 duplicate window the stream drops it (its PubAck says `duplicate`); a relay that stays down longer
 than the window (`window=0.5`: the run waits until the server has forgotten a Msg-Id it saw as the
 relay died) gets it stored twice, and only the consumer's dedup table can catch it then.
+`as_payments(resend.events, tag)` turns what the stream holds into lesson 03's payments, so its bench
+(msglab.demos.idempotency) and gateway replay the double charge; `double_charged(bench, payments)` counts it.
+
+`Shop` is the whole pipeline live in the notebook (checkout's outbox, the course's relay, payments against
+lesson 03's gateway, email, the status page; `stall()`/`release()` payments, `watch()` lag per consumer
+and DLQ depth as each order's event is stored, `trace()` one order's path); `close()` removes it all.
 """
 
 from __future__ import annotations
