@@ -29,9 +29,10 @@ KNOWN_RACES = {
 
 # Labs whose judgements still follow the machine's timing: their files are graded, not yet held to it.
 IN_FLUX = {
-    "05": "idle, no lab 05 file flips (38 of 38 pairs the same); with every core busy 9 of 38 did: promise_kept for"
-    " intakes that refuse only once the age is over budget (the rush's arrivals fall toward twice the worker's"
-    " pace), the lost confirmations for intakes that answer before they publish, refuses_early near its limit",
+    "05": "idle, no lab 05 file flips (38 of 38 pairs the same); beside two busy loops and four gradings 3 of 20 wrong"
+    " files did on seed 7: refuses_over_budget (age_without_subject), faults_fired and stored_once (outbox_in_memory:"
+    " whether intake A reached its planned kill), refuses_only_over_budget (refuses_early, near its limit): lab 05"
+    " judges ages and rates, which a starved machine stretches",
 }
 
 
