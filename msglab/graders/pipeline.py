@@ -1,0 +1,667 @@
+"""Lab 07's grader: the order pipeline end to end (labs/07_pipeline).
+
+The learner writes checkout's outbox write (`checkout`), the relay (`relay`) and the carrying of the
+correlation id from the order into the event's headers. The rest of the pipeline is the course's, run
+by the grader: payments (a consumer that charges module 03's gateway, `msglab.world.gateway`, one
+charge per stored event, keyed by its stream sequence, so a redelivery is replayed but an event stored
+twice is charged twice) and the status view (`msglab.world.status_page`'s model, fed by the payments
+service's status events with the Correlation-Id carried from the event).
+
+Workload (seeded): orders go through checkout one at a time; a checkout process is SIGKILLed between
+its two writes of one order (the next order goes to a fresh process); the first relay is SIGKILLed on
+its first write to the shop's database after the stream stored its k-th row (between the stream's ack
+and saving its position) and kept down until the stream has forgotten the Msg-Ids it saw (the
+duplicate window is short); more orders arrive meanwhile; a second relay takes over; the payments
+service stops once after a charge before its ack (the event is delivered again); the server is
+restarted once; more orders; then everything must drain. Judged on the grader's own records: the
+shop's database (read-only), what the stream stored, the gateway's charges, what the page shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from msglab.grading import rules
+from msglab.grading.nemesis import Crash, rng
+from msglab.grading.rules import plural
+from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held
+from msglab.grading.verdict import Check
+from msglab.world.outbox import CORRELATION_ID, SCHEMA
+from msglab.world.payments import open_shop
+
+if TYPE_CHECKING:  # learner processes import this module too: they need none of the grader's side
+    from msglab.grading.harness import Child, Run
+
+TOPOLOGY = Topology(stream="ORDERS", wildcard="orders.>", durable="payments", subject="orders.placed", ack_wait=0.5)
+STREAM, DURABLE = TOPOLOGY.stream, TOPOLOGY.durable  # the contract: what the learner's permissions protect
+STATUS = "orders.status"  # the payments service's status events, orders.status.<order id>
+PROBE = "orders.probe"  # the grader's own marker: has the stream forgotten a Msg-Id this old?
+LEARNER_DENY_PUBLISH = ["orders.status.>", "orders.probe"]  # only the course's services publish these
+WINDOW = 0.5  # seconds: the stream's duplicate window (JetStream's default is 2 minutes; scaled down)
+RECONNECTS = 100  # the run's server restarts once: every connection retries it (every 0.1 s, ~10 s)
+PARAMS: dict[str, Any] = {"db": "shop.sqlite"}  # the shop's database, in the run's home folder
+MSG_ID = "Nats-Msg-Id"
+ORDERS = (6, 3, 3)  # orders placed before the relay's crash, while it is down, after the server's restart
+DEADLINE = 5.0  # seconds any phase may wait for the pipeline to catch up (generous: load never judges)
+CALL_TIMEOUT = 5.0  # one checkout takes milliseconds
+
+
+class _Reported(sqlite3.Connection):
+    """The shop's database as a learner process opens it: each write statement is first told to the grader
+    (the effect `sql`), where a planned kill may land before it runs."""
+
+    world: Any = None
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        _report(self.world, sql)
+        return super().execute(sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        _report(self.world, sql)
+        return super().executemany(sql, *args)
+
+    def executescript(self, sql: str) -> sqlite3.Cursor:
+        _report(self.world, sql)
+        return super().executescript(sql)
+
+    def cursor(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:  # type: ignore[override]
+        return super().cursor(_ReportedCursor)
+
+
+class _ReportedCursor(sqlite3.Cursor):
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:  # type: ignore[override]
+        _report(getattr(self.connection, "world", None), sql)
+        return super().execute(sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:  # type: ignore[override]
+        _report(getattr(self.connection, "world", None), sql)
+        return super().executemany(sql, *args)
+
+
+WRITES = ("insert", "update", "delete", "replace", "upsert")
+
+
+def _report(world: Any, sql: str) -> None:
+    verb = str(sql).lstrip().split(None, 1)[0].lower() if str(sql).strip() else ""
+    if world is not None and (verb in WRITES or verb == "with" or ";" in str(sql).strip().rstrip(";")):
+        world.call("sql", None, statement=str(sql).strip()[:80])
+
+
+def _env(env: Any) -> None:
+    """What every process of the lab is handed besides connections and names: the shop's database."""
+    path = env.params.get("db", "shop.sqlite")
+    path = path if os.path.isabs(path) else os.path.join(os.environ.get("HOME", "."), path)
+    world = getattr(env, "world", None)
+
+    def open_store() -> sqlite3.Connection:
+        db = open_shop(path, factory=_Reported if world is not None else sqlite3.Connection)
+        if world is not None:
+            db.world = world  # type: ignore[attr-defined]
+        return db
+
+    env.db_path, env.open_store = path, open_store
+
+
+def ops_checkout(env: Any, learner: Any) -> dict[str, Any]:
+    """The checkout service: the grader places one order at a time through the learner's `checkout`."""
+    _env(env)
+
+    async def place(order: dict[str, Any], correlation_id: str) -> None:
+        await learner.checkout(env, order, correlation_id)
+
+    return {"place": place}
+
+
+async def role_relay(env: Any, learner: Any) -> None:
+    """One incarnation of the learner's relay: waits held until the grader releases it, then runs until killed."""
+    _env(env)
+    held(env)
+    await learner.relay(env)
+
+
+async def playground(env: Any) -> None:
+    """For a notebook: the stream (short duplicate window) and the shop's database, in the run's names."""
+    await _provision(env.js, env.names)
+    env.params["db"] = os.path.join(tempfile.mkdtemp(prefix="msglab-lab07-"), "shop.sqlite")  # a fresh shop
+    _env(env)
+    db = open_shop(env.db_path)
+    db.executescript(SCHEMA)
+    db.close()
+
+
+async def _provision(js: Any, names: Any) -> None:
+    from nats.js.api import AckPolicy, ConsumerConfig, StorageType
+
+    stream = names.stream(STREAM)
+    await js.add_stream(
+        name=stream, subjects=[names.subject(TOPOLOGY.wildcard)], duplicate_window=WINDOW, storage=StorageType.FILE
+    )
+    config = ConsumerConfig(
+        durable_name=names.durable(DURABLE),
+        filter_subject=names.subject(TOPOLOGY.subject),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=TOPOLOGY.ack_wait,
+    )
+    await js.add_consumer(stream, config)
+
+
+# --- the course's side of the pipeline, in the grader's process -------------------------------------
+
+
+@dataclass
+class Stored:
+    """One event the stream stored on orders.placed, as the grader's own subscription saw it."""
+
+    ts: float
+    seq: int
+    msg_id: str
+    order_id: str
+    correlation_id: str
+
+
+@dataclass
+class Pipeline:
+    """The grader's records: what was stored, charged and shown, and the faults it made."""
+
+    run: Run
+    stored: list[Stored] = field(default_factory=list)
+    charged: list[tuple[float, str, str, int]] = field(default_factory=list)  # ts, order, correlation id, seq
+    page: Any = None
+    gateway: Any = None
+    stop_payments_at: int = 0  # the payments service stops after charging this delivery, before its ack
+    payments_stopped: rules.Planned | None = None
+    deliveries: int = 0
+    task: asyncio.Task[None] | None = None
+
+    async def count(self) -> int:
+        """How many events the stream holds on orders.placed now (the server's count)."""
+        names = self.run.names
+        info = await self.run.js.stream_info(names.stream(STREAM), subjects_filter=names.subject(TOPOLOGY.subject))
+        return int((info.state.subjects or {}).get(names.subject(TOPOLOGY.subject), 0))
+
+    async def read_stream(self) -> None:
+        """What the stream stored on orders.placed, read back from the server, in order."""
+        names = self.run.names
+        info = await self.run.js.stream_info(names.stream(STREAM))
+        self.stored = []
+        for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
+            try:
+                msg = await self.run.js.get_msg(names.stream(STREAM), seq)
+            except Exception:  # a sequence the stream does not hold (none is deleted here; be safe)
+                continue
+            if msg.subject != names.subject(TOPOLOGY.subject):
+                continue
+            headers = msg.headers or {}
+            stamp = msg.time.timestamp() if getattr(msg, "time", None) is not None else 0.0
+            self.stored.append(
+                Stored(stamp, seq, headers.get(MSG_ID, ""), _order_id(msg.data or b""), headers.get(CORRELATION_ID, ""))
+            )
+
+    async def payments(self) -> None:
+        """The course's payments service: charge each stored event once per stream sequence, then say so."""
+        from msglab.world import gateway
+        from msglab.world.status_page import publish_status
+
+        run, names = self.run, self.run.names
+        sub = None
+        while True:
+            try:
+                if sub is None:
+                    sub = await run.js.pull_subscribe_bind(names.durable(DURABLE), stream=names.stream(STREAM))
+                msgs = await sub.fetch(10, timeout=0.3)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # an empty fetch, or the server restarting: ask again
+                continue
+            for msg in msgs:
+                order_id, cid = _order_id(msg.data), (msg.headers or {}).get(CORRELATION_ID, "")
+                seq = int(msg.metadata.sequence.stream)
+                carried = {CORRELATION_ID: cid} if cid else None
+                try:
+                    order = json.loads(msg.data)
+                    await publish_status(run.nc, order_id, "pending", prefix=names.subject(STATUS), headers=carried)
+                    await gateway.charge(
+                        run.nc,
+                        names.subject("gateway.charge"),
+                        str(order.get("customer", "")),
+                        int(order.get("cents", 0)),
+                        reference=order_id,
+                        idempotency_key=f"orders-{seq}",
+                    )
+                    self.charged.append((time.time(), order_id, cid, seq))
+                    await publish_status(run.nc, order_id, "confirmed", prefix=names.subject(STATUS), headers=carried)
+                    self.deliveries += 1
+                    if self.deliveries == self.stop_payments_at and self.payments_stopped is not None:
+                        self.payments_stopped.fired = True  # charged, never acked: the event comes back
+                        sub = None
+                        break
+                    await msg.ack_sync()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bad event, or the server restarting: it is delivered again
+                    continue
+
+
+def _order_id(data: bytes) -> str:
+    try:
+        body = json.loads(data)
+        return str(body.get("id", "")) if isinstance(body, dict) else ""
+    except ValueError:
+        return ""
+
+
+def _checkout_faults(seed: int) -> list[Crash]:
+    order = rng(seed, "checkout kill").randint(2, 4)
+    return [
+        Crash(
+            "sql",
+            2 * order,
+            "before",
+            point=f"between the two writes of its order #{order} (its database write #{2 * order})",
+            counted="write to the shop's database",
+            hint="write each order and its outbox row through env.open_store(), one statement each",
+        )
+    ]
+
+
+async def grade(run: Run) -> list[Check]:
+    """Run the pipeline through the kills, the relay's long outage and a server restart; judge its records."""
+    await _provision(run.js, run.names)
+    path = os.path.join(run.home, PARAMS["db"])
+    with contextlib.closing(open_shop(path)) as store:
+        store.executescript(SCHEMA)
+    run.sandbox.give(Path(path))  # the learner's processes write it
+    params = {"db": path}
+    pipe = Pipeline(run)
+    from msglab.world import gateway
+    from msglab.world.status_page import StatusPage
+
+    pipe.gateway = await asyncio.to_thread(
+        gateway.start, run.url, db_path=os.path.join(run.tmp, "gateway.sqlite"), prefix=run.names.subject("gateway")
+    )
+    pipe.page = await StatusPage.start(run.nc, subject=run.names.subject(f"{STATUS}.>"))
+    pipe.stop_payments_at = rng(run.seed, "payments stop").randint(2, 4)
+    pipe.payments_stopped = rules.Planned(
+        f"stop the payments service after its charge of delivery #{pipe.stop_payments_at}, before its ack",
+        "the relay must publish every committed order",
+    )
+    run.planned.append(pipe.payments_stopped)
+    relay_at = rng(run.seed, "relay kill").randint(2, 4)
+    relay_kill = rules.Planned(
+        f"kill your first relay on its first write to the shop's database after the stream stored its "
+        f"row #{relay_at} (after the stream's ack, before its position is saved)",
+        "keep the relay's position in the shop's database (env.open_store()), saved after each ack",
+    )
+    run.planned.append(relay_kill)
+    relays = HeldSpawns(run, "relay", lambda n: [], limit=3, params=params)
+    first: list[Child] = []
+
+    async def on_sql(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        if child.role != "relay" or relay_kill.fired or not first or child is not first[0]:
+            return
+        if await pipe.count() >= relay_at:  # the stream acked row #relay_at before this write
+            relay_kill.fired = True
+            run.log.record("crash", "sql", None, pid=child.pid, role=child.role, call=call, when="before")
+            await child.kill("nemesis")
+
+    run.on("sql", on_sql)
+    phase, orders = Phases(run), Orders(run, params)
+    relays.prepare(2)
+    pipe.task = asyncio.ensure_future(pipe.payments())
+    down, restarted = 0.0, 0.0
+    try:
+        async with phase("orders, a checkout killed"):
+            released = await relays.release()
+            assert released is not None
+            first.append(released)
+            for _ in range(ORDERS[0]):
+                await orders.place()
+            can_fire = lambda: orders.committed_count() >= relay_at  # noqa: E731
+            await run.wait_for(lambda: relay_kill.fired or gone(first[0]) or not can_fire(), DEADLINE)
+            if not relay_kill.fired:
+                stored = await pipe.count()
+                relay_kill.seen = (
+                    f"the stream stored {plural(stored, 'event')} and your relay made no database write after"
+                    f" row #{relay_at}" if stored >= relay_at else
+                    f"the stream stored only {plural(stored, 'event')} of {orders.committed_count()} "
+                    "committed orders"
+                )  # fmt: skip
+            await relays.stop(first[0])
+            down = time.time()
+        async with phase("relay down past the duplicate window"):
+            await _past_window(run)
+            for _ in range(ORDERS[1]):
+                await orders.place()
+            second = await relays.release()
+            assert second is not None
+            await run.wait_for(lambda: _published(pipe, orders) or gone(second), DEADLINE)
+        async with phase("server restart"):
+            restarted = await run.restart_broker()
+            for _ in range(ORDERS[2]):
+                await orders.place()
+        async with phase("drain"):
+            await run.wait_for(lambda: _settled(pipe, orders) or gone(second), DEADLINE)
+            await run.wait_for(lambda: pipe.payments_stopped is not None and pipe.payments_stopped.fired, 0.1)
+    finally:
+        await relays.cancel()
+        if pipe.task is not None:
+            pipe.task.cancel()
+            await asyncio.gather(pipe.task, return_exceptions=True)
+        charges = pipe.gateway.charges() if pipe.gateway is not None else []
+        with contextlib.suppress(Exception):
+            await pipe.page.stop()
+        if pipe.gateway is not None:
+            await asyncio.to_thread(pipe.gateway.stop, True)
+    await relays.settle()
+    if not pipe.payments_stopped.fired and pipe.payments_stopped.seen == "":
+        pipe.payments_stopped.seen = f"only {plural(pipe.deliveries, 'event')} reached payments"
+    await pipe.read_stream()
+    db = orders.read()
+    trace = functools.partial(_trace, run, pipe, orders, down, restarted)
+    return [
+        _committed_check(orders, db, trace),
+        _one_transaction_check(db, trace),
+        _lost_check(pipe, db, trace),
+        _phantom_check(pipe, db, trace),
+        _published_once_check(pipe.stored, db, down, trace),
+        _processed_once_check(charges, db, trace),
+        _correlation_check(pipe, orders, db, trace),
+        _status_check(pipe, db, trace),
+    ]
+
+
+async def _past_window(run: Run) -> None:
+    """Wait until the stream has forgotten a Msg-Id it stored now: the window is over for every earlier one."""
+    probe, marker = run.names.subject(PROBE), f"probe-{time.time()}"
+    await run.js.publish(probe, b"", headers={MSG_ID: marker})
+
+    async def forgotten() -> bool:
+        ack = await run.js.publish(probe, b"", headers={MSG_ID: marker})
+        return not ack.duplicate
+
+    await run.wait_for(forgotten, 4 * WINDOW + DEADLINE)
+
+
+@dataclass
+class Orders:
+    """The orders the grader places through the learner's checkout, one process at a time."""
+
+    run: Run
+    params: dict[str, Any]
+    placed: dict[str, tuple[float, str, Any]] = field(default_factory=dict)  # id -> (ts, correlation id, reply)
+    killed: list[str] = field(default_factory=list)
+    checkout: Child | None = None
+    crashed_once: bool = False
+
+    async def place(self) -> None:
+        if self.checkout is None or not self.checkout.alive:
+            faults = [] if self.crashed_once else _checkout_faults(self.run.seed)
+            self.crashed_once = True
+            self.checkout = await self.run.spawn("checkout", faults=faults, params=self.params)
+        n = len(self.placed) + 1
+        r = rng(self.run.seed, f"order {n}")
+        order: dict[str, Any] = {
+            "id": f"o-{n:03d}",
+            "customer": f"c-{r.randint(1, 9)}",
+            "cents": 100 * r.randint(5, 90),
+        }
+        cid = f"trace-{r.getrandbits(48):012x}"
+        reply = await self.checkout.call("place", CALL_TIMEOUT, order=order, correlation_id=cid)
+        self.placed[str(order["id"])] = (time.time(), cid, reply)
+        if reply.gone or reply.hung:
+            self.killed.append(str(order["id"]))
+
+    def correlation(self, order_id: str) -> str:
+        return self.placed[order_id][1] if order_id in self.placed else ""
+
+    def read(self) -> Shop:
+        return read_shop(self.params["db"])
+
+    def committed_count(self) -> int:
+        return len(self.read().orders)
+
+
+@dataclass
+class Shop:
+    """The shop's database as the grader read it (read-only): committed orders and outbox rows."""
+
+    orders: set[str]
+    outbox: dict[int, str]  # outbox id -> order id
+    outbox_headers: dict[int, dict[str, str]]
+    error: str = ""
+
+
+def read_shop(path: str) -> Shop:
+    """The orders and the outbox rows the shop's database holds now ('error' when it cannot be read)."""
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        try:
+            orders = {str(r[0]) for r in db.execute("select id from orders")}
+            rows = list(db.execute("select id, order_id, headers from outbox"))
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        return Shop(set(), {}, {}, f"the shop's database could not be read ({exc})")
+    headers: dict[int, dict[str, str]] = {}
+    for i, _, h in rows:
+        try:
+            headers[int(i)] = dict(json.loads(h))
+        except (ValueError, TypeError):
+            headers[int(i)] = {}
+    return Shop(orders, {int(i): str(o) for i, o, _ in rows}, headers)
+
+
+def _publishable(shop: Shop) -> set[str]:
+    """The committed orders a relay can publish (those with an outbox row): what the phases wait for."""
+    return shop.orders & set(shop.outbox.values())
+
+
+def _published(pipe: Pipeline, orders: Orders) -> bool:
+    return _publishable(orders.read()) <= {c[1] for c in pipe.charged}
+
+
+def _settled(pipe: Pipeline, orders: Orders) -> bool:
+    wanted = _publishable(orders.read())
+    charged = {c[1] for c in pipe.charged}
+    shown = {o for o, s in (pipe.page.orders if pipe.page else {}).items() if s == "confirmed"}
+    return wanted <= charged and wanted <= shown
+
+
+def _trace(run: Run, pipe: Pipeline, orders: Orders, down: float, restarted: float, order_id: str) -> list[str]:
+    steps = Trace(run)
+    if order_id in orders.placed:
+        ts, cid, reply = orders.placed[order_id]
+        steps.add(ts, f"checkout of {order_id} (Correlation-Id {cid}) {reply.describe()}")
+    for e in run.log.events("crash"):
+        steps.add(e.ts, f"{e.detail.get('role', 'process')} {e.pid} SIGKILLed by the grader")
+    for s in pipe.stored:
+        if s.order_id == order_id:
+            steps.add(s.ts, f"stream stored it as #{s.seq} (Nats-Msg-Id {s.msg_id or 'none'})")
+    for ts, o, _, seq in pipe.charged:
+        if o == order_id:
+            steps.add(ts, f"payments charged it for stream event #{seq}")
+    if down:
+        steps.add(down, "first relay gone; the grader waits past the duplicate window")
+    if restarted:
+        steps.add(restarted, "the server restarted")
+    return steps.lines()
+
+
+def _committed_check(orders: Orders, shop: Shop, trace: Any) -> Check:
+    title = "an order checkout accepted is committed, with its outbox row"
+    if shop.error:
+        return Check("orders_committed", title, False, shop.error + ".", hint="open the shop with env.open_store()")
+    missing = [o for o, (_, _, r) in orders.placed.items() if r.ok and o not in shop.orders]
+    failed = [(o, r) for o, (_, _, r) in orders.placed.items() if not r.ok and not (r.gone or r.hung)]
+    if failed:
+        o, r = failed[0]
+        return Check(
+            "orders_committed", title, False, f"checkout of {o} {r.describe()}.", trace=trace(o),
+            hint="checkout must place the order and return",
+        )  # fmt: skip
+    if not missing:
+        return Check("orders_committed", title, True)
+    return Check(
+        "orders_committed",
+        title,
+        False,
+        f"checkout returned for {plural(len(missing), 'order')} that the shop's database does not hold: "
+        f"{', '.join(missing[:5])}.",
+        trace=trace(missing[0]),
+        hint="write the order and its outbox row, and commit, before checkout returns",
+    )
+
+
+def _one_transaction_check(shop: Shop, trace: Any) -> Check:
+    title = "an order and its outbox row commit together (one transaction)"
+    with_row = set(shop.outbox.values())
+    alone = sorted(shop.orders - with_row)
+    rowless = sorted(with_row - shop.orders)
+    if not alone and not rowless:
+        return Check("one_transaction", title, True)
+    if alone:
+        message = (
+            f"{plural(len(alone), 'order')} committed without an outbox row ({', '.join(alone[:3])}): "
+            "a checkout killed between its two writes left the order and no event for it."
+        )
+    else:
+        message = (
+            f"{plural(len(rowless), 'outbox row')} for an order that was never committed ({', '.join(rowless[:3])}):"
+            " a checkout killed between its two writes left an event for an order that does not exist."
+        )
+    return Check(
+        "one_transaction", title, False, message, trace=trace((alone or rowless)[0]),
+        hint="write the order and its outbox row in one transaction: both commit, or neither",
+    )  # fmt: skip
+
+
+def _lost_check(pipe: Pipeline, shop: Shop, trace: Any) -> Check:
+    title = "every committed order's event reaches the stream, whatever crashed (the relay resumes without loss)"
+    stored = {s.order_id for s in pipe.stored}
+    lost = sorted(o for o in shop.orders if o not in stored)
+    if not lost:
+        return Check("no_lost_events", title, True)
+    return Check(
+        "no_lost_events",
+        title,
+        False,
+        f"{plural(len(lost), 'committed order')} never reached the stream: {', '.join(lost[:5])}.",
+        trace=[*trace(lost[0]), "never published"],
+        hint="publish every outbox row after the relay's saved position, and keep the relay going through errors",
+    )
+
+
+def _phantom_check(pipe: Pipeline, shop: Shop, trace: Any) -> Check:
+    title = "no event for an order that was never committed"
+    phantom = sorted({s.order_id for s in pipe.stored if s.order_id not in shop.orders})
+    if not phantom:
+        return Check("no_phantom_events", title, True)
+    return Check(
+        "no_phantom_events",
+        title,
+        False,
+        f"the stream stored events for {plural(len(phantom), 'order')} the shop's database does not hold: "
+        f"{', '.join(x or '(no id in the body)' for x in phantom[:5])}.",
+        trace=trace(phantom[0]),
+        hint="publish only outbox rows, which commit with their order; publish the order as the JSON the row holds",
+    )
+
+
+def _published_once_check(stored: list[Stored], shop: Shop, down: float, trace: Any) -> Check:
+    title = "each outbox row is stored once, under Nats-Msg-Id = its outbox id, even after a long relay outage"
+    ids = {str(i): o for i, o in shop.outbox.items()}
+    wrong = [s for s in stored if s.order_id in shop.orders and ids.get(s.msg_id) != s.order_id]
+    if wrong:
+        s = wrong[0]
+        return Check(
+            "published_once", title, False,
+            f"the stream stored {s.order_id} with Nats-Msg-Id {s.msg_id or '(none)'}, not its outbox row's id: "
+            "the stream cannot tell a resend of that row from a new event.",
+            trace=trace(s.order_id), hint="publish each outbox row with Nats-Msg-Id set to the row's id",
+        )  # fmt: skip
+    seen: dict[str, list[Stored]] = {}
+    for s in stored:
+        seen.setdefault(s.order_id, []).append(s)
+    twice = sorted(o for o, copies in seen.items() if len(copies) > 1)
+    if not twice:
+        return Check("published_once", title, True)
+    after = [s for s in seen[twice[0]] if down and s.ts > down]
+    why = (
+        "after the relay restarted past the stream's duplicate window, it published a row the stream already held"
+        if after
+        else "the relay published one row more than once"
+    )
+    return Check(
+        "published_once",
+        title,
+        False,
+        f"{plural(len(twice), 'order')} stored more than once ({', '.join(twice[:3])}): {why}, "
+        "and payments charges every stored event.",
+        trace=trace(twice[0]),
+        hint="before resuming, find out which rows the stream already holds (the saved position can lag behind it)",
+    )
+
+
+def _processed_once_check(charges: list[Any], shop: Shop, trace: Any) -> Check:
+    title = "every committed order is charged exactly once"
+    per: dict[str, int] = {}
+    for c in charges:
+        per[str(c.reference)] = per.get(str(c.reference), 0) + 1
+    bad = sorted(o for o in shop.orders if per.get(o, 0) != 1)
+    if not bad:
+        return Check("processed_once", title, True)
+    o = bad[0]
+    return Check(
+        "processed_once",
+        title,
+        False,
+        f"{plural(len(bad), 'committed order')} charged other than once; {o} was charged {per.get(o, 0)} times.",
+        trace=trace(o),
+        hint="every committed order must reach the stream once: payments charges each stored event",
+    )
+
+
+def _correlation_check(pipe: Pipeline, orders: Orders, shop: Shop, trace: Any) -> Check:
+    title = "every downstream effect carries its order's Correlation-Id"
+    effects = [("the stream's event", s.order_id, s.correlation_id) for s in pipe.stored]
+    effects += [("the charge", o, cid) for _, o, cid, _ in pipe.charged]
+    effects += [(f"the page's '{c.status}'", c.order_id, c.correlation_id) for c in pipe.page.changes]
+    for what, o, cid in effects:
+        want = orders.correlation(o)
+        if o in shop.orders and cid != want:
+            return Check(
+                "correlation_carried", title, False,
+                f"{what} of {o} carried Correlation-Id {cid or '(none)'}, not the order's {want}.",
+                trace=trace(o),
+                hint="keep the order's correlation id in its outbox row's headers, and publish the row's headers",
+            )  # fmt: skip
+    return Check("correlation_carried", title, True)
+
+
+def _status_check(pipe: Pipeline, shop: Shop, trace: Any) -> Check:
+    title = "the status view ends right for every order"
+    shown = dict(pipe.page.orders)
+    wrong = sorted(o for o in shop.orders if shown.get(o) != "confirmed")
+    extra = sorted(o for o in shown if o not in shop.orders)
+    if not wrong and not extra:
+        return Check("status_right", title, True)
+    if wrong:
+        o = wrong[0]
+        message = f"{plural(len(wrong), 'committed order')} not shown confirmed; {o} shows {shown.get(o, 'nothing')}."
+    else:
+        o = extra[0]
+        message = f"the page shows {plural(len(extra), 'order')} that was never committed ({o})."
+    return Check(
+        "status_right", title, False, message, trace=trace(o),
+        hint="every committed order must reach the stream (the page follows payments)",
+    )  # fmt: skip

@@ -1,0 +1,81 @@
+"""Lab 07's grader on what no variant's verdict shows: the run's server restarted in place (a stream and
+a durable on file storage survive it, a learner's relay rides it out), and the published-once judgement
+on hand-made evidence. (What each variant's verdict must say is its `Says:` lines, in test_variants.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from msglab.catalog import course_root
+from msglab.graders import pipeline
+from msglab.graders.pipeline import Shop, Stored, _published_once_check
+from msglab.grading.harness import Run
+from msglab.grading.scaffold import HeldSpawns
+from msglab.world.outbox import SCHEMA, place_order
+from msglab.world.payments import open_shop
+
+SOLUTION = course_root() / "solutions" / "07_pipeline" / "pipeline.py"
+
+
+async def _restart_with_a_relay_running() -> dict[str, object]:
+    async with Run("msglab.graders.pipeline", str(SOLUTION), seed=1) as run:
+        await pipeline._provision(run.js, run.names)
+        path = os.path.join(run.home, "shop.sqlite")
+        with contextlib.closing(open_shop(path)) as db:
+            db.executescript(SCHEMA)
+        run.sandbox.give(Path(path))
+        relays = HeldSpawns(run, "relay", lambda n: [], limit=1, params={"db": path})
+        relay = await relays.release()
+        assert relay is not None
+        stream, subject = run.names.stream(pipeline.STREAM), run.names.subject("orders.placed")
+
+        async def stored(n: int) -> bool:
+            info = await run.js.stream_info(stream, subjects_filter=subject)
+            return int((info.state.subjects or {}).get(subject, 0)) >= n
+
+        def order(n: int) -> None:
+            with contextlib.closing(open_shop(path)) as db:
+                place_order(db, {"id": f"o-{n}", "customer": "c-1", "cents": 100}, headers={"Correlation-Id": f"t-{n}"})
+
+        order(1)
+        assert await run.wait_for(lambda: stored(1), 10)
+        assert run.server is not None
+        port, pid = run.server.port, run.server.pid
+        await run.restart_broker()
+        after = await run.js.stream_info(stream)
+        durable = await run.js.consumer_info(stream, run.names.durable(pipeline.DURABLE))
+        order(2)
+        both = await run.wait_for(lambda: stored(2), 15)
+        await relays.cancel()
+        return {
+            "same_port": run.server.port == port,
+            "new_process": run.server.pid != pid,
+            "kept": after.state.messages,
+            "durable": durable.name,
+            "both": both,
+            "relay_alive": relay.alive,
+        }
+
+
+def test_a_restart_keeps_the_stream_and_durable_and_a_learner_relay_rides_it_out() -> None:
+    seen = asyncio.run(_restart_with_a_relay_running())
+    assert seen["same_port"] and seen["new_process"], seen
+    assert seen["kept"] == 1 and seen["durable"], seen  # file storage: the message and the durable survive
+    assert seen["both"] and seen["relay_alive"], seen  # the relay published the next row after the restart
+
+
+def test_a_row_stored_twice_after_the_outage_is_blamed_on_the_resume_and_a_foreign_msg_id_on_the_id() -> None:
+    shop = Shop({"o-1", "o-2"}, {1: "o-1", 2: "o-2"}, {})
+    once = [Stored(1.0, 1, "1", "o-1", "t"), Stored(2.0, 2, "2", "o-2", "t")]
+    assert _published_once_check(once, shop, 1.5, lambda o: []).passed
+    twice = [*once, Stored(3.0, 3, "2", "o-2", "t")]
+    check = _published_once_check(twice, shop, 2.5, lambda o: [])
+    assert not check.passed and "past the stream's duplicate window" in check.message, check.message
+    foreign = [Stored(1.0, 1, "abc", "o-1", "t")]
+    check = _published_once_check(foreign, shop, 0.0, lambda o: [])
+    assert not check.passed and "not its outbox row's id" in check.message, check.message
+    assert json.loads(json.dumps(pipeline.PARAMS)) == pipeline.PARAMS
