@@ -333,7 +333,8 @@ _hostile(_fill, once=True)
 import asyncio as _asyncio
 
 _PLATFORM = {"01": ("ORDERS", "email"), "02": ("BILLING", "invoicer"), "03": ("PAYMENTS", "payments"),
-             "04": ("EMAILS", "email"), "05": ("ORDERS", "fulfil"), "06": ("SHOP_EVENTS", "")}
+             "04": ("EMAILS", "email"), "05": ("ORDERS", "fulfil"), "06": ("SHOP_EVENTS", ""),
+             "07": ("ORDERS", "payments")}
 
 
 async def _garble(env):
