@@ -182,6 +182,7 @@ class Pipeline:
     payments_stopped: rules.Planned | None = None
     deliveries: int = 0
     task: asyncio.Task[None] | None = None
+    stopped: bool = False
 
     async def count(self) -> int:
         """How many events the stream holds on orders.placed now (the server's count)."""
@@ -190,22 +191,23 @@ class Pipeline:
         return int((info.state.subjects or {}).get(names.subject(TOPOLOGY.subject), 0))
 
     async def read_stream(self) -> None:
-        """What the stream stored on orders.placed, read back from the server, in order."""
-        names = self.run.names
-        info = await self.run.js.stream_info(names.stream(STREAM))
+        """What the stream stored on orders.placed, read back from the server, in order (one request each)."""
+        from nats.js.errors import NotFoundError
+
+        names, seq = self.run.names, 1
         self.stored = []
-        for seq in range(int(info.state.first_seq), int(info.state.last_seq) + 1):
+        while True:
             try:
-                msg = await self.run.js.get_msg(names.stream(STREAM), seq)
-            except Exception:  # a sequence the stream does not hold (none is deleted here; be safe)
-                continue
-            if msg.subject != names.subject(TOPOLOGY.subject):
-                continue
+                msg = await self.run.js.get_msg(
+                    names.stream(STREAM), seq, subject=names.subject(TOPOLOGY.subject), next=True
+                )
+            except NotFoundError:  # nothing more on the subject
+                return
             headers = msg.headers or {}
             stamp = msg.time.timestamp() if getattr(msg, "time", None) is not None else 0.0
-            self.stored.append(
-                Stored(stamp, seq, headers.get(MSG_ID, ""), _order_id(msg.data or b""), headers.get(CORRELATION_ID, ""))
-            )
+            order_id, cid = _order_id(msg.data or b""), headers.get(CORRELATION_ID, "")
+            self.stored.append(Stored(stamp, int(msg.seq or 0), headers.get(MSG_ID, ""), order_id, cid))
+            seq = int(msg.seq or 0) + 1
 
     async def payments(self) -> None:
         """The course's payments service: charge each stored event once per stream sequence, then say so."""
@@ -214,7 +216,7 @@ class Pipeline:
 
         run, names = self.run, self.run.names
         sub = None
-        while True:
+        while not self.stopped:
             try:
                 if sub is None:
                     sub = await run.js.pull_subscribe_bind(names.durable(DURABLE), stream=names.stream(STREAM))
@@ -326,8 +328,8 @@ async def grade(run: Run) -> list[Check]:
             first.append(released)
             for _ in range(ORDERS[0]):
                 await orders.place()
-            can_fire = lambda: orders.committed_count() >= relay_at  # noqa: E731
-            await run.wait_for(lambda: relay_kill.fired or gone(first[0]) or not can_fire(), DEADLINE)
+            can_fire = _can_fire(orders, relay_at)
+            await run.wait_for(lambda: _either(relay_kill.fired or gone(first[0]), can_fire()), DEADLINE)
             if not relay_kill.fired:
                 stored = await pipe.count()
                 relay_kill.seen = (
@@ -344,19 +346,21 @@ async def grade(run: Run) -> list[Check]:
                 await orders.place()
             second = await relays.release()
             assert second is not None
-            await run.wait_for(lambda: _published(pipe, orders) or gone(second), DEADLINE)
+            await run.wait_for(lambda: _either(gone(second), _published(pipe, orders)), DEADLINE)
         async with phase("server restart"):
             restarted = await run.restart_broker()
             for _ in range(ORDERS[2]):
                 await orders.place()
         async with phase("drain"):
-            await run.wait_for(lambda: _settled(pipe, orders) or gone(second), DEADLINE)
+            await run.wait_for(lambda: _either(gone(second), _settled(pipe, orders)), DEADLINE)
             await run.wait_for(lambda: pipe.payments_stopped is not None and pipe.payments_stopped.fired, 0.1)
     finally:
         await relays.cancel()
         if pipe.task is not None:
+            pipe.stopped = True
             pipe.task.cancel()
-            await asyncio.gather(pipe.task, return_exceptions=True)
+            # nats-py's fetch can hold a cancelled task past its own timeout: the run's end closes the connection
+            await asyncio.wait([pipe.task], timeout=2.0)
         charges = pipe.gateway.charges() if pipe.gateway is not None else []
         with contextlib.suppress(Exception):
             await pipe.page.stop()
@@ -425,7 +429,7 @@ class Orders:
         return self.placed[order_id][1] if order_id in self.placed else ""
 
     def read(self) -> Shop:
-        return read_shop(self.params["db"])
+        return read_shop(self.params["db"], os.path.join(self.run.tmp, "shop-copy"))
 
     def committed_count(self) -> int:
         return len(self.read().orders)
@@ -441,16 +445,26 @@ class Shop:
     error: str = ""
 
 
-def read_shop(path: str) -> Shop:
-    """The orders and the outbox rows the shop's database holds now ('error' when it cannot be read)."""
+def read_shop(path: str, folder: str) -> Shop:
+    """The orders and the outbox rows the shop's database holds now ('error' when it cannot be read).
+
+    Read from a copy in the grader's `folder` (effects.snapshot_sqlite): a file in the learner's folder may
+    be anything, and a process killed inside a transaction leaves a WAL that only a writer may recover.
+    """
+    from msglab.grading.effects import LearnerFileError, snapshot_sqlite
+
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        os.makedirs(folder, exist_ok=True)
+        for stale in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, os.path.basename(path)) + stale)
+        db = sqlite3.connect(snapshot_sqlite(path, folder), timeout=1)
         try:
             orders = {str(r[0]) for r in db.execute("select id from orders")}
             rows = list(db.execute("select id, order_id, headers from outbox"))
         finally:
             db.close()
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, LearnerFileError, OSError) as exc:
         return Shop(set(), {}, {}, f"the shop's database could not be read ({exc})")
     headers: dict[int, dict[str, str]] = {}
     for i, _, h in rows:
@@ -461,16 +475,31 @@ def read_shop(path: str) -> Shop:
     return Shop(orders, {int(i): str(o) for i, o, _ in rows}, headers)
 
 
+async def _either(now: bool, later: Any) -> bool:
+    """`now`, or else what the coroutine `later` says (a coroutine: wait_for asks it at its slower pace)."""
+    if now:
+        later.close()
+        return True
+    return bool(await later)
+
+
+def _can_fire(orders: Orders, relay_at: int) -> Any:
+    async def cannot() -> bool:  # too few committed orders for the stream to store row #relay_at
+        return orders.committed_count() < relay_at
+
+    return cannot
+
+
 def _publishable(shop: Shop) -> set[str]:
     """The committed orders a relay can publish (those with an outbox row): what the phases wait for."""
     return shop.orders & set(shop.outbox.values())
 
 
-def _published(pipe: Pipeline, orders: Orders) -> bool:
+async def _published(pipe: Pipeline, orders: Orders) -> bool:
     return _publishable(orders.read()) <= {c[1] for c in pipe.charged}
 
 
-def _settled(pipe: Pipeline, orders: Orders) -> bool:
+async def _settled(pipe: Pipeline, orders: Orders) -> bool:
     wanted = _publishable(orders.read())
     charged = {c[1] for c in pipe.charged}
     shown = {o for o, s in (pipe.page.orders if pipe.page else {}).items() if s == "confirmed"}
