@@ -262,18 +262,18 @@ def _order_id(data: bytes) -> str:
         return ""
 
 
-def _checkout_faults(seed: int) -> list[Crash]:
-    order = rng(seed, "checkout kill").randint(2, 4)
-    return [
-        Crash(
-            "sql",
-            2 * order,
-            "before",
-            point=f"between the two writes of its order #{order} (its database write #{2 * order})",
-            counted="database write",
-            hint="write each order and its outbox row through env.open_store(), one statement each",
-        )
-    ]
+def _checkout_crash(order: int, writes: int) -> Crash:
+    """Kill the checkout before its second database write of order #order (it made `writes` before that order),
+    so the kill lands inside that order's work however many writes the earlier orders took."""
+    call = writes + 2
+    return Crash(
+        "sql",
+        call,
+        "before",
+        point=f"between the two writes of order o-{order:03d} (its database write #{call})",
+        counted="database write",
+        hint="write each order and its outbox row through env.open_store(), one statement each",
+    )
 
 
 async def grade(run: Run) -> list[Check]:
@@ -416,14 +416,13 @@ class Orders:
     placed: dict[str, tuple[float, str, Any]] = field(default_factory=dict)  # id -> (ts, correlation id, reply)
     killed: list[str] = field(default_factory=list)
     checkout: Child | None = None
-    crashed_once: bool = False
 
     async def place(self) -> None:
         if self.checkout is None or not self.checkout.alive:
-            faults = [] if self.crashed_once else _checkout_faults(self.run.seed)
-            self.crashed_once = True
-            self.checkout = await self.run.spawn("checkout", faults=faults, params=self.params)
+            self.checkout = await self.run.spawn("checkout", params=self.params)
         n = len(self.placed) + 1
+        if n == rng(self.run.seed, "checkout kill").randint(2, 4):  # planned as this order starts (rule 1 sees it)
+            self.checkout.faults.append(_checkout_crash(n, self.checkout.calls["sql"]))
         r = rng(self.run.seed, f"order {n}")
         order: dict[str, Any] = {
             "id": f"o-{n:03d}",
