@@ -12,9 +12,10 @@ from pathlib import Path
 
 from msglab.catalog import course_root
 from msglab.graders import pipeline
-from msglab.graders.pipeline import Shop, Stored, _published_once_check
+from msglab.graders.pipeline import Shop, Stored, _one_transaction_check, _published_once_check, _untested
 from msglab.grading.harness import Run
 from msglab.grading.scaffold import HeldSpawns
+from msglab.grading.verdict import Check
 from msglab.world.outbox import SCHEMA, place_order
 from msglab.world.payments import open_shop
 
@@ -79,3 +80,16 @@ def test_a_row_stored_twice_after_the_outage_is_blamed_on_the_resume_and_a_forei
     check = _published_once_check(foreign, shop, 0.0, lambda o: [])
     assert not check.passed and "not its outbox row's id" in check.message, check.message
     assert json.loads(json.dumps(pipeline.PARAMS)) == pipeline.PARAMS
+
+
+def test_a_half_written_order_is_named_by_which_half_committed() -> None:
+    alone = _one_transaction_check(Shop({"o-1", "o-2"}, {1: "o-1"}, {}), lambda o: [])
+    assert not alone.passed and "committed without an outbox row (o-2)" in alone.message, alone.message
+    rowless = _one_transaction_check(Shop({"o-1"}, {1: "o-1", 2: "o-2"}, {}), lambda o: [])
+    assert not rowless.passed and "never committed (o-2)" in rowless.message, rowless.message
+    assert _one_transaction_check(Shop({"o-1"}, {1: "o-1"}, {}), lambda o: []).passed
+
+
+def test_with_nothing_committed_the_downstream_checks_say_untested_instead_of_passing() -> None:
+    check = _untested(Check("no_lost_events", "every committed order's event reaches the stream", True))
+    assert not check.passed and check.message.startswith("untested") and check.name == "no_lost_events"
