@@ -93,3 +93,29 @@ def test_a_half_written_order_is_named_by_which_half_committed() -> None:
 def test_with_nothing_committed_the_downstream_checks_say_untested_instead_of_passing() -> None:
     check = _untested(Check("no_lost_events", "every committed order's event reaches the stream", True))
     assert not check.passed and check.message.startswith("untested") and check.name == "no_lost_events"
+
+
+async def _a_probe_forgotten_in_its_own_stream() -> dict[str, object]:
+    async with Run("msglab.graders.pipeline", str(SOLUTION), seed=1) as run:
+        await pipeline._provision(run.js, run.names)
+        await pipeline._provision_probe(run.js, run.names)
+        subject, headers = run.names.subject("orders.placed"), {"Nats-Msg-Id": "1"}
+        await run.js.publish(subject, b"{}", headers=headers)
+        inside = await run.js.publish(subject, b"{}", headers=headers)
+        await pipeline._past_window(run)  # the grader's probe, in the PROBE stream
+        after = await run.js.publish(subject, b"{}", headers=headers)
+        info = await run.js.stream_info(run.names.stream(pipeline.STREAM))
+        return {"inside": inside.duplicate, "after": after.duplicate, "held": info.state.messages}
+
+
+def test_a_probe_forgotten_in_its_own_stream_means_the_orders_stream_forgot_the_earlier_msg_id() -> None:
+    seen = asyncio.run(_a_probe_forgotten_in_its_own_stream())
+    assert seen["inside"] and not seen["after"], seen  # dedup expires by time, per stream, same window
+    assert seen["held"] == 2, seen  # the learner's stream holds only what was published on orders.placed
+
+
+def test_with_nothing_committed_one_transaction_says_untested_but_an_outbox_row_alone_is_evidence() -> None:
+    nothing = _one_transaction_check(Shop(set(), {}, {}), lambda o: [])
+    assert not nothing.passed and nothing.message.startswith("untested"), nothing.message
+    rowless = _one_transaction_check(Shop(set(), {1: "o-1"}, {}), lambda o: [])
+    assert not rowless.passed and "never committed (o-1)" in rowless.message, rowless.message
