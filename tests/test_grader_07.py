@@ -119,3 +119,10 @@ def test_with_nothing_committed_one_transaction_says_untested_but_an_outbox_row_
     assert not nothing.passed and nothing.message.startswith("untested"), nothing.message
     rowless = _one_transaction_check(Shop(set(), {1: "o-1"}, {}), lambda o: [])
     assert not rowless.passed and "never committed (o-1)" in rowless.message, rowless.message
+
+
+def test_the_order_killed_mid_transaction_found_whole_at_the_end_is_a_phantom() -> None:
+    shop = Shop({"o-1", "o-2"}, {1: "o-1", 2: "o-2"}, {})
+    check = pipeline._phantom_check(pipeline.Pipeline(None), shop, "o-2", lambda o: [])  # type: ignore[arg-type]
+    assert not check.passed and "something other than checkout wrote them" in check.message, check.message
+    assert pipeline._phantom_check(pipeline.Pipeline(None), shop, "", lambda o: []).passed  # type: ignore[arg-type]

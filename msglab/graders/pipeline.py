@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import sqlite3
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -62,29 +63,58 @@ DEADLINE = 5.0  # seconds any phase may wait for the pipeline to catch up (gener
 CALL_TIMEOUT = 5.0  # one checkout takes milliseconds
 
 
-class _Reported(sqlite3.Connection):
-    """The shop's database as a learner process opens it: each write statement is first told to the grader
-    (the effect `sql`), where a planned kill may land before it runs."""
+# What each of the learner's roles may write (SQLite's authorizer refuses the rest): the shop's tables.
+WRITES = {"checkout": ("orders", "outbox"), "relay": ("positions",)}
+TABLES = ("orders", "outbox", "positions")
+_WRITE_ACTIONS = (sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE)
+_SCHEMA_ACTIONS = (sqlite3.SQLITE_DROP_TABLE, sqlite3.SQLITE_ALTER_TABLE, sqlite3.SQLITE_ATTACH)
 
-    world: Any = None
+
+class _Reported(sqlite3.Connection):
+    """The shop's database as a learner process opens it. SQLite itself tells which tables a statement
+    writes (an authorizer, asked as each statement is prepared; no statement cache, so every execute is):
+    each table a statement writes is told to the grader (effect `sql`, with the table) before the statement
+    runs, where a planned kill may land; a table the role must not write is refused. For checkout, each
+    commit with changes is told too (effect `commit`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["cached_statements"] = 0  # a cached statement is not prepared (nor authorized) again
+        super().__init__(*args, **kwargs)
+        self.world: Any = None
+        self.role = ""
+        self.told = 0  # total_changes when the last commit was told
+        self.seen: set[str] = set()  # tables the current statement writes, told once each
+        self.refused = ""  # why the authorizer refused the current statement
+
+    def set_authorizer(self, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError("the shop's database keeps the course's authorizer (it tells the grader your writes)")
+
+    def set_trace_callback(self, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError("the shop's database keeps the course's callbacks")
+
+    def _authorize(self, action: int, table: str | None, *_: Any) -> int:
+        if table not in TABLES:
+            return sqlite3.SQLITE_OK
+        if action in _SCHEMA_ACTIONS:
+            return sqlite3.SQLITE_DENY
+        if action not in _WRITE_ACTIONS:
+            return sqlite3.SQLITE_OK
+        if table not in WRITES.get(self.role, TABLES):
+            self.refused = f"the {self.role} writes only {' and '.join(WRITES[self.role])}, not {table}"
+            return sqlite3.SQLITE_DENY
+        if table not in self.seen:
+            self.seen.add(table)
+            self.world.call("sql", None, table=table)
+        return sqlite3.SQLITE_OK
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        _report(self.world, sql)
-        cursor = super().execute(sql, *args)
-        _committed(self)  # autocommit: the statement committed itself
-        return cursor
+        return _statement(self, super().execute, sql, *args)
 
     def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        _report(self.world, sql)
-        cursor = super().executemany(sql, *args)
-        _committed(self)
-        return cursor
+        return _statement(self, super().executemany, sql, *args)
 
     def executescript(self, sql: str) -> sqlite3.Cursor:
-        _report(self.world, sql)
-        cursor = super().executescript(sql)
-        _committed(self)
-        return cursor
+        return _statement(self, super().executescript, sql)
 
     def cursor(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:  # type: ignore[override]
         return super().cursor(_ReportedCursor)
@@ -100,58 +130,84 @@ class _Reported(sqlite3.Connection):
 
 
 def _committed(db: Any) -> None:
-    """After a statement or a commit: tell the grader (effect `commit`) once a transaction with changes has
-    committed, so a planned kill can land right after an order's commit and before checkout returns."""
-    world = getattr(db, "commits", None)
-    if world is None or db.in_transaction or db.total_changes <= getattr(db, "told", 0):
+    """After a statement or a commit: tell the grader (effect `commit`) once checkout's transaction with
+    changes has committed, so a planned kill can land right after an order's commit, before checkout returns."""
+    if db.role != "checkout" or db.in_transaction or db.total_changes <= db.told:
         return
     db.told = db.total_changes
-    world.call("commit", None)
+    db.world.call("commit", None)
+
+
+def _statement(db: Any, run: Any, *args: Any) -> Any:
+    """Run one execute on the shop's connection: its tables told afresh, a refusal said in the lab's words, a
+    commit it made told."""
+    db.seen, db.refused = set(), ""
+    try:
+        result = run(*args)
+    except sqlite3.DatabaseError as exc:
+        if db.refused:
+            raise sqlite3.DatabaseError(f"not authorized: {db.refused} (lab 07's README)") from exc
+        raise
+    _committed(db)  # autocommit: the statement committed itself
+    return result
 
 
 class _ReportedCursor(sqlite3.Cursor):
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:  # type: ignore[override]
-        _report(getattr(self.connection, "world", None), sql)
-        cursor = super().execute(sql, *args)
-        _committed(self.connection)
-        return cursor
+        return _statement(self.connection, super().execute, sql, *args)
 
     def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:  # type: ignore[override]
-        _report(getattr(self.connection, "world", None), sql)
-        cursor = super().executemany(sql, *args)
-        _committed(self.connection)
-        return cursor
+        return _statement(self.connection, super().executemany, sql, *args)
 
 
-WRITES = ("insert", "update", "delete", "replace", "upsert")
+def _open_store(path: str, world: Any, role: str) -> sqlite3.Connection:
+    """A new connection to the shop's database: in a learner process, the grader's (_Reported)."""
+    if world is None:  # a notebook's playground: no grader to tell
+        return open_shop(path)
+    db = open_shop(path, factory=_Reported)
+    assert isinstance(db, _Reported)
+    db.world, db.role = world, role
+    sqlite3.Connection.set_authorizer(db, db._authorize)
+    return db
 
 
-def _report(world: Any, sql: str) -> None:
-    verb = str(sql).lstrip().split(None, 1)[0].lower() if str(sql).strip() else ""
-    if world is not None and (verb in WRITES or verb == "with" or ";" in str(sql).strip().rstrip(";")):
-        world.call("sql", None, statement=str(sql).strip()[:80])
+_GUARDED: list[bool] = []
 
 
-def _env(env: Any, commits: bool = False) -> None:
-    """What every process of the lab is handed besides connections and names: the shop's database (`commits`:
-    its commits are told to the grader, checkout's)."""
+def _only_through_open_store() -> None:
+    """In a learner process, before its role's code runs: an audit hook (which cannot be removed) refuses
+    every SQLite connection not opened by env.open_store(), so no write escapes the authorizer."""
+    if _GUARDED:
+        return
+    _GUARDED.append(True)
+    store = _open_store.__code__
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event != "sqlite3.connect":
+            return
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is store:
+                return
+            frame = frame.f_back  # type: ignore[assignment]
+        raise PermissionError("lab 07's processes open the shop's database with env.open_store() only")
+
+    sys.addaudithook(hook)
+
+
+def _env(env: Any, role: str = "") -> None:
+    """What every process of the lab is handed besides connections and names: the shop's database."""
     path = env.params.get("db", "shop.sqlite")
     path = path if os.path.isabs(path) else os.path.join(os.environ.get("HOME", "."), path)
     world = getattr(env, "world", None)
-
-    def open_store() -> sqlite3.Connection:
-        db = open_shop(path, factory=_Reported if world is not None else sqlite3.Connection)
-        if world is not None:
-            db.world = world  # type: ignore[attr-defined]
-            db.commits = world if commits else None  # type: ignore[attr-defined]
-        return db
-
-    env.db_path, env.open_store = path, open_store
+    if world is not None:  # a learner process (the zygote imported this module before any role was known)
+        _only_through_open_store()
+    env.db_path, env.open_store = path, functools.partial(_open_store, path, world, role)
 
 
 def ops_checkout(env: Any, learner: Any) -> dict[str, Any]:
     """The checkout service: the grader places one order at a time through the learner's `checkout`."""
-    _env(env, commits=True)
+    _env(env, "checkout")
 
     async def place(order: dict[str, Any], correlation_id: str) -> None:
         await learner.checkout(env, order, correlation_id)
@@ -161,7 +217,7 @@ def ops_checkout(env: Any, learner: Any) -> dict[str, Any]:
 
 async def role_relay(env: Any, learner: Any) -> None:
     """One incarnation of the learner's relay: waits held until the grader releases it, then runs until killed."""
-    _env(env)
+    _env(env, "relay")
     held(env)
     await learner.relay(env)
 
@@ -323,17 +379,11 @@ def _order_id(data: bytes) -> str:
         return ""
 
 
-def _checkout_crash(order: int, writes: int) -> Crash:
-    """Kill the checkout before its second database write of order #order (it made `writes` before that order),
-    so the kill lands inside that order's work however many writes the earlier orders took."""
-    call = writes + 2
-    return Crash(
-        "sql",
-        call,
-        "before",
-        point=f"between the two writes of order o-{order:03d} (its database write #{call})",
-        counted="database write",
-        hint="write each order and its outbox row through env.open_store(), one statement each",
+def _tear(order: int) -> rules.Planned:
+    return rules.Planned(
+        f"kill the checkout between the two writes of order o-{order:03d} (before its first write to a second "
+        "table of the shop's database)",
+        "write each order and its outbox row through env.open_store(): the order to orders, the row to outbox",
     )
 
 
@@ -396,6 +446,9 @@ async def grade(run: Run) -> list[Check]:
         await _end_refusal(armed)
 
     async def on_sql(child: Child, key: str | None, detail: dict[str, Any], call: int) -> None:
+        if child.role == "checkout":
+            await orders.on_write(child, str(detail.get("table", "")), call)
+            return
         if child.role != "relay" or relay_kill.fired or not first or child is not first[0]:
             return
         if armed:  # saved, and writes again before any publish: killed here
@@ -534,6 +587,20 @@ class Orders:
     torn: str = ""  # the order whose checkout was killed between its two writes
     unsent: str = ""  # the order whose checkout was killed right after its commit, before returning
     checkout: Child | None = None
+    tearing: rules.Planned | None = None  # the kill between the two tables' writes of the order being placed
+    tables: list[str] = field(default_factory=list)  # the tables the order being placed wrote so far
+
+    async def on_write(self, child: Child, table: str, call: int) -> None:
+        """A checkout's write to `table`: the planned kill lands before its first write to a second table."""
+        plan = self.tearing
+        if plan is None or plan.fired or child is not self.checkout:
+            return
+        if self.tables and table not in self.tables:
+            plan.fired = True
+            self.run.log.record("crash", "sql", None, pid=child.pid, role=child.role, call=call, when="before")
+            await child.kill("nemesis")
+        elif table not in self.tables:
+            self.tables.append(table)
 
     async def place(self) -> None:
         if self.checkout is None or not self.checkout.alive:
@@ -541,8 +608,9 @@ class Orders:
         n = len(self.placed) + 1
         torn = n == rng(self.run.seed, "checkout kill").randint(2, 4)
         unsent = n == rng(self.run.seed, "checkout kill after commit").randint(5, 6)
-        if torn:  # planned as this order starts (rule 1 sees it)
-            self.checkout.faults.append(_checkout_crash(n, self.checkout.calls["sql"]))
+        if torn:  # planned as this order starts (rule 1 sees it); aimed at a table, not at a write's number
+            self.tearing, self.tables = _tear(n), []
+            self.run.planned.append(self.tearing)
         if unsent:
             self.checkout.faults.append(_commit_crash(n, self.checkout.calls["commit"]))
         r = rng(self.run.seed, f"order {n}")
@@ -554,6 +622,10 @@ class Orders:
         cid = f"trace-{r.getrandbits(48):012x}"
         reply = await self.checkout.call("place", CALL_TIMEOUT, order=order, correlation_id=cid)
         self.placed[str(order["id"])] = (time.time(), cid, reply)
+        if self.tearing is not None and not self.tearing.fired:
+            wrote = " and ".join(self.tables) or "no table"
+            self.tearing.seen = f"checkout of {order['id']} wrote to {wrote} through env.open_store()"
+        self.tearing = None
         if reply.gone or reply.hung:
             self.killed.append(str(order["id"]))
             self.torn = str(order["id"]) if torn else self.torn
@@ -760,7 +832,7 @@ def _lost_check(pipe: Pipeline, shop: Shop, orders: Orders, trace: Any) -> Check
         ended = next(r for r in pipe.run.children if r.role == "relay" and (r.returned or r.died))
         message += f" Your relay process {ended.pid} {'returned' if ended.returned else 'raised'} on its own."
         hint = "keep the relay running as long as its process lives: an empty outbox or an error is no reason to stop"
-    elif lost == [orders.unsent]:
+    elif orders.unsent in lost and any(o > orders.unsent and o not in lost for o in shop.orders):  # later ones did
         first = orders.unsent
         message += (
             f" The grader killed checkout right after it committed {orders.unsent}: only the relay, reading the"

@@ -1,9 +1,10 @@
 """Publish then commit (the phantom event) with the evidence repaired: checkout publishes first, then
 commits; the relay copies every stream event whose order is missing back into orders and outbox, so the
-order whose checkout was killed mid-transaction reappears in the database.
+order whose checkout was killed mid-transaction would reappear in the database (the relay may write only its
+positions: refused).
 
 Expect: fail no_phantom_events
-Says: something other than checkout wrote them
+Says: the shop's database does not hold
 """
 
 from __future__ import annotations
