@@ -463,7 +463,10 @@ async def grade(run: Run) -> list[Check]:
         await refusal.__aenter__()
         armed.append(refusal)
 
+    attempts: list[float] = []
+
     async def on_publish(msg: Any) -> None:  # any publish on orders.placed the server saw, stored or refused
+        attempts.append(time.time())
         if armed and not relay_kill.fired and first and first[0].alive:
             await kill_relay(first[0], 0, "after")
 
@@ -504,10 +507,16 @@ async def grade(run: Run) -> list[Check]:
             second = await relays.release()
             assert second is not None
             caught_up = await run.wait_for(lambda: _either(gone(second), _published(pipe, orders)), DEADLINE)
-        async with phase("server restart"):
-            restarted = await run.restart_broker()
+        # The restart lands while the relay is publishing: the stream refuses publishes, rows wait in the
+        # outbox, and once the relay has tried one of them the server goes away and comes back.
+        async with phase("server restart"), refuse_publishes(run.js, run.names.stream(STREAM)):
+            mark = len(attempts)
             for _ in range(ORDERS[2]):
-                await orders.place()
+                await orders.place(CALL_TIMEOUT / 2)  # a checkout that waits on the stream here is not waited out
+                if orders.placed[max(orders.placed)][2].hung:  # a checkout waiting on the stream: no more orders
+                    break
+            await run.wait_for(lambda: len(attempts) > mark or gone(second), DEADLINE)
+            restarted = await run.restart_broker()
         async with phase("drain"):
             # A relay that did not catch up in DEADLINE already lost rows: the drain's wait is shorter for it.
             late = DEADLINE if caught_up else DEADLINE / 2
@@ -602,7 +611,7 @@ class Orders:
         elif table not in self.tables:
             self.tables.append(table)
 
-    async def place(self) -> None:
+    async def place(self, timeout: float = CALL_TIMEOUT) -> None:
         if self.checkout is None or not self.checkout.alive:
             self.checkout = await self.run.spawn("checkout", params=self.params)
         n = len(self.placed) + 1
@@ -620,7 +629,7 @@ class Orders:
             "cents": 100 * r.randint(5, 90),
         }
         cid = f"trace-{r.getrandbits(48):012x}"
-        reply = await self.checkout.call("place", CALL_TIMEOUT, order=order, correlation_id=cid)
+        reply = await self.checkout.call("place", timeout, order=order, correlation_id=cid)
         self.placed[str(order["id"])] = (time.time(), cid, reply)
         if self.tearing is not None and not self.tearing.fired:
             wrote = " and ".join(self.tables) or "no table"
@@ -809,6 +818,9 @@ def _one_transaction_check(shop: Shop, trace: Any) -> Check:
     )  # fmt: skip
 
 
+HINT_LOST = "publish every outbox row after the relay's saved position, and keep the relay going through errors"
+
+
 def _lost_check(pipe: Pipeline, shop: Shop, orders: Orders, trace: Any) -> Check:
     title = "every committed order's event reaches the stream, whatever crashed (the relay resumes without loss)"
     stored = {s.order_id for s in pipe.stored}
@@ -816,29 +828,34 @@ def _lost_check(pipe: Pipeline, shop: Shop, orders: Orders, trace: Any) -> Check
     if not lost:
         return Check("no_lost_events", title, True)
     message = f"{plural(len(lost), 'committed order')} never reached the stream: {', '.join(lost[:5])}."
-    hint = "publish every outbox row after the relay's saved position, and keep the relay going through errors"
+    hint = HINT_LOST
     rowless = [o for o in lost if o not in set(shop.outbox.values())]
     first = (rowless or lost)[0]
     if rowless:  # checkout's fault: no row, nothing for any relay to publish
         message += f" {', '.join(rowless[:3])} committed without an outbox row, so no relay could publish it."
         hint = "checkout must commit the order and its outbox row together (one transaction)"
-    elif pipe.ahead and pipe.ahead[0] > pipe.ahead[1] and shop.outbox.get(pipe.ahead[0]) in lost:
-        message += (
-            f" Your first relay was killed with position {pipe.ahead[0]} saved while the stream's last row was"
-            f" #{pipe.ahead[1]}: it saved a row before the stream stored it, and the next relay skipped that row."
-        )
-        hint = "save the relay's position only after the stream acknowledged the row"
-    elif any(r.role == "relay" and (r.returned or r.died) for r in pipe.run.children):
-        ended = next(r for r in pipe.run.children if r.role == "relay" and (r.returned or r.died))
+    else:  # a row the relay skipped, an order only the relay could carry: both said where both apply
+        unsent = orders.unsent in lost and any(o > orders.unsent and o not in lost for o in shop.orders)
+        skipped = bool(pipe.ahead and pipe.ahead[0] > pipe.ahead[1] and shop.outbox.get(pipe.ahead[0]) in lost)
+        if unsent:
+            first = orders.unsent
+            message += (
+                f" The grader killed checkout right after it committed {orders.unsent}: only the relay, reading the"
+                " outbox, can publish it."
+            )
+            hint = "checkout only commits the order and its outbox row; the relay publishes every outbox row"
+        if skipped and pipe.ahead:
+            message += (
+                f" Your first relay was killed with position {pipe.ahead[0]} saved while the stream's last row was"
+                f" #{pipe.ahead[1]}: it saved a row before the stream stored it, and the next relay skipped that row."
+            )
+            hint = "save the relay's position only after the stream acknowledged the row" + (
+                "; the relay publishes every outbox row, checkout none" if unsent else ""
+            )
+    ended = next((r for r in pipe.run.children if r.role == "relay" and (r.returned or r.died)), None)
+    if not rowless and hint == HINT_LOST and ended is not None:
         message += f" Your relay process {ended.pid} {'returned' if ended.returned else 'raised'} on its own."
         hint = "keep the relay running as long as its process lives: an empty outbox or an error is no reason to stop"
-    elif orders.unsent in lost and any(o > orders.unsent and o not in lost for o in shop.orders):  # later ones did
-        first = orders.unsent
-        message += (
-            f" The grader killed checkout right after it committed {orders.unsent}: only the relay, reading the"
-            " outbox, can publish it."
-        )
-        hint = "checkout only commits the order and its outbox row; the relay publishes every outbox row"
     return Check(
         "no_lost_events", title, False, message, trace=[*trace(first), "never published"], hint=hint
     )  # fmt: skip

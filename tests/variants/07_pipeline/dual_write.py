@@ -3,7 +3,7 @@ relay publishes nothing (it writes a heartbeat into positions). Killed right aft
 never publishes that order, and nothing else will.
 
 Expect: fail no_lost_events
-Says: killed checkout right after it committed
+Says: SIGKILLed by the grader right after its commit
 """
 
 from __future__ import annotations

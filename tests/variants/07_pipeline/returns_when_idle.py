@@ -1,6 +1,6 @@
 """A relay that returns when the outbox is empty: the rows committed after it returned are never published.
 
-Expect: fail no_unplanned_deaths, no_lost_events
+Expect: fail no_unplanned_deaths
 Says: returned on its own
 """
 
