@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 from msglab.catalog import course_root
@@ -102,7 +103,7 @@ async def _a_probe_forgotten_in_its_own_stream() -> dict[str, object]:
         subject, headers = run.names.subject("orders.placed"), {"Nats-Msg-Id": "1"}
         await run.js.publish(subject, b"{}", headers=headers)
         inside = await run.js.publish(subject, b"{}", headers=headers)
-        await pipeline._past_window(run)  # the grader's probe, in the PROBE stream
+        await pipeline._past_window(run, time.time())  # the grader's probe, in the PROBE stream
         after = await run.js.publish(subject, b"{}", headers=headers)
         info = await run.js.stream_info(run.names.stream(pipeline.STREAM))
         return {"inside": inside.duplicate, "after": after.duplicate, "held": info.state.messages}

@@ -506,7 +506,7 @@ async def grade(run: Run) -> list[Check]:
             await relays.stop(first[0])
             down = time.time()
         async with phase("relay down past the duplicate window"):
-            await _past_window(run)
+            await _past_window(run, max(attempts, default=0.0))
             for _ in range(ORDERS[1]):
                 await orders.place()
             second = await relays.release()
@@ -524,7 +524,9 @@ async def grade(run: Run) -> list[Check]:
                 await run.wait_for(lambda: len(attempts) > mark or gone(second), DEADLINE)
             restarted = await run.restart_broker()
         async with phase("drain"):
-            await run.wait_for(lambda: _either(gone(second), _settled(pipe, orders)), DEADLINE)
+            # DEADLINE, and on while payments keeps charging or the page keeps changing: a loaded machine
+            # after the restart is slow, not wrong (rule 8), within the run's budget.
+            await _while_moving(run, lambda: _either(gone(second), _settled(pipe, orders)), lambda: _moved(pipe))
             await run.wait_for(lambda: pipe.payments_stopped is not None and pipe.payments_stopped.fired, 0.1)
     finally:
         await watch.unsubscribe()
@@ -576,9 +578,19 @@ def _untested(check: Check) -> Check:
     )
 
 
-async def _past_window(run: Run) -> None:
+PURGE_SLACK = 0.2  # seconds between ORDERS' last publish and the probe's (see _past_window)
+
+
+async def _past_window(run: Run, last_publish: float) -> None:
     """Wait until a stream with the same duplicate window has forgotten a Msg-Id stored now: the window is
-    over in ORDERS for every Msg-Id published before (tests/test_grader_07.py checks that on the server)."""
+    over in ORDERS for every Msg-Id published before (tests/test_grader_07.py checks that on the server).
+
+    Each stream forgets on a timer of its own that fires no sooner than 50 ms after its last run
+    (nats-server's purgeMsgIds): a probe stored as ORDERS' last id was would be forgotten by PROBE's timer
+    while ORDERS' still held it (a from-lesson relay passed once so), hence the probe is stored PURGE_SLACK
+    after ORDERS' last publish (a timer's wait, not a condition's: the server does not show its id map).
+    """
+    await asyncio.sleep(max(0.0, last_publish + PURGE_SLACK - time.time()))
     probe, marker = run.names.subject(PROBE), f"probe-{time.time()}"  # its own stream (_provision_probe)
     await run.js.publish(probe, b"", headers={MSG_ID: marker})
 
@@ -735,6 +747,27 @@ async def _wanted(pipe: Pipeline, shop: Shop) -> set[str]:
 
 async def _published(pipe: Pipeline, orders: Orders) -> bool:
     return await _wanted(pipe, orders.read()) <= {c[1] for c in pipe.charged}
+
+
+STALL = 2.0  # the drain waits on past DEADLINE while something moved within this many seconds ...
+DRAIN_CAP = 15.0  # ... up to this in all
+
+
+def _moved(pipe: Pipeline) -> tuple[int, int, int]:
+    """What changes while the pipeline drains: payments' deliveries and charges, the page's changes."""
+    return pipe.deliveries, len(pipe.charged), len(pipe.page.changes) if pipe.page else 0
+
+
+async def _while_moving(run: Run, condition: Any, progress: Any) -> None:
+    """Wait for `condition` up to DEADLINE, then on while `progress()` changed within STALL, up to DRAIN_CAP."""
+    started = time.monotonic()
+    last, moved = progress(), started
+    while not await run.wait_for(condition, min(STALL / 4, DRAIN_CAP)):
+        now, current = time.monotonic(), progress()
+        if current != last:
+            last, moved = current, now
+        if now - started >= DRAIN_CAP or (now - started >= DEADLINE and now - moved >= STALL):
+            return
 
 
 async def _settled(pipe: Pipeline, orders: Orders) -> bool:
