@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from msglab.grading import rules
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.rules import plural
-from msglab.grading.scaffold import HeldSpawns, Phases, Trace, gone, held
+from msglab.grading.scaffold import HeldSpawns, Phases, Trace, gone, held, while_moving
 from msglab.grading.verdict import Check
 from msglab.world.order_events import Applied, Event, Ledger, OrderRejected, rejected_text, workload
 
@@ -405,17 +405,8 @@ async def grade(run: Run) -> list[Check]:
         return await run.wait_for(condition, max(0.0, min(timeout, started + BUDGET - time.monotonic())))
 
     async def moving(condition: Any, progress: Any, first: float) -> bool:
-        """wait() for `first` seconds, and on for as long as `progress()` changed within the last STALL: a busy
-        machine slows a workload down, and only one that stopped moving is cut short."""
-        begin = moved = time.monotonic()
-        seen = progress()
-        while not await wait(condition, STALL / 8):
-            now = time.monotonic()
-            if progress() != seen:
-                seen, moved = progress(), now
-            if now >= started + BUDGET or (now >= begin + first and now >= moved + STALL):
-                return False
-        return True
+        """scaffold.while_moving within the run's BUDGET."""
+        return await while_moving(run, condition, progress, first, stall=STALL, deadline=started + BUDGET)
 
     try:
         async with phase("two partitions"):

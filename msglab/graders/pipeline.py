@@ -41,7 +41,7 @@ from msglab.grading import rules
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import refuse_publishes
 from msglab.grading.rules import plural
-from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held
+from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held, while_moving
 from msglab.grading.verdict import Check
 from msglab.world.outbox import CORRELATION_ID, SCHEMA
 from msglab.world.payments import open_shop
@@ -526,7 +526,10 @@ async def grade(run: Run) -> list[Check]:
         async with phase("drain"):
             # DEADLINE, and on while payments keeps charging or the page keeps changing: a loaded machine
             # after the restart is slow, not wrong (rule 8), within the run's budget.
-            await _while_moving(run, lambda: _either(gone(second), _settled(pipe, orders)), lambda: _moved(pipe))
+            await while_moving(
+                run, lambda: _either(gone(second), _settled(pipe, orders)), lambda: _moved(pipe), DEADLINE,
+                stall=STALL, deadline=time.monotonic() + DRAIN_CAP,
+            )  # fmt: skip
             await run.wait_for(lambda: pipe.payments_stopped is not None and pipe.payments_stopped.fired, 0.1)
     finally:
         await watch.unsubscribe()
@@ -756,18 +759,6 @@ DRAIN_CAP = 15.0  # ... up to this in all
 def _moved(pipe: Pipeline) -> tuple[int, int, int]:
     """What changes while the pipeline drains: payments' deliveries and charges, the page's changes."""
     return pipe.deliveries, len(pipe.charged), len(pipe.page.changes) if pipe.page else 0
-
-
-async def _while_moving(run: Run, condition: Any, progress: Any) -> None:
-    """Wait for `condition` up to DEADLINE, then on while `progress()` changed within STALL, up to DRAIN_CAP."""
-    started = time.monotonic()
-    last, moved = progress(), started
-    while not await run.wait_for(condition, min(STALL / 4, DRAIN_CAP)):
-        now, current = time.monotonic(), progress()
-        if current != last:
-            last, moved = current, now
-        if now - started >= DRAIN_CAP or (now - started >= DEADLINE and now - moved >= STALL):
-            return
 
 
 async def _settled(pipe: Pipeline, orders: Orders) -> bool:

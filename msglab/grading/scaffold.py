@@ -213,3 +213,18 @@ class Trace:
     def lines(self, *tail: str) -> list[str]:
         ordered = sorted(self.steps, key=lambda s: s[0])
         return [*squash([f"{self.run.at(ts)} {text}" for ts, text in ordered], self.keep), *tail]
+
+
+async def while_moving(run: Run, condition: Any, progress: Any, first: float, *, stall: float, deadline: float) -> bool:
+    """run.wait_for(condition) for `first` seconds, and on for as long as `progress()` changed within the last
+    `stall` seconds, never past `deadline` (time.monotonic()): a busy machine slows a workload down, and only
+    one that stopped moving is cut short. True if the condition held."""
+    begin = moved = time.monotonic()
+    seen = progress()
+    while not await run.wait_for(condition, max(0.0, min(stall / 8, deadline - time.monotonic()))):
+        now = time.monotonic()
+        if (current := progress()) != seen:
+            seen, moved = current, now
+        if now >= deadline or (now >= begin + first and now >= moved + stall):
+            return False
+    return True
