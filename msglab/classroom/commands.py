@@ -95,10 +95,11 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"  monitoring:   {classroom.monitor_url}/jsz?accounts=true   (instructor only: bound to "
           f"{classroom.monitor_host})")  # fmt: skip
     print(f"  status:       msglab classroom status --dir {args.dir}")
-    print(f"  Ctrl-C stops the server (SIGTERM too); streams stay in {classroom.folder / 'store'} for the next start.",
-          flush=True)  # fmt: skip
     signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: the server is stopped, not orphaned
     try:
+        # Inside the try: a Ctrl-C that follows this line at once is a stop, not a traceback.
+        print(f"  Ctrl-C stops the server (SIGTERM too); streams stay in {classroom.folder / 'store'} for the next "
+              "start.", flush=True)  # fmt: skip
         assert server.proc is not None
         server.proc.wait()
     except KeyboardInterrupt:

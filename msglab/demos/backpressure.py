@@ -376,7 +376,11 @@ class Shop:
                 if budget is not None and now - measured >= ADMISSION_EVERY:
                     # The age at most ADMISSION_EVERY old: two broker questions per order would cap
                     # the rate a loaded machine reaches below the worker's, and there is no overload.
-                    age, measured = (await self.measure())[1], now
+                    depth, age = await self.measure()
+                    measured = now
+                    # A sample too: the age that refused an order is on the chart and in the status,
+                    # which the 0.1 s sampler alone could miss while refusals keep the age near the budget.
+                    series.add(time.monotonic() - t0, depth, age)
                 if budget is not None and age > budget:
                     run.refused += 1  # "busy, try later": the customer hears it now
                     if watch is None and last_seq:
