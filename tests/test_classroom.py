@@ -322,23 +322,6 @@ def test_msglab_check_grades_on_a_learner_account_and_leaves_nothing(
     assert asyncio.run(leftovers()) == []
 
 
-def test_one_lesson_run_three_times_at_once_on_one_classroom_server(room: Classroom, tmp_path: Path) -> None:
-    lesson = sorted((ROOT / "lessons").glob("00_*.ipynb"))[0]
-    runs = []
-    for name in ("alice", "bob", "cy"):
-        env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "MSGLAB_SERVER_VERSION")}
-        env.update(NATS_URL=room.local_url(name), MSGLAB_STATE_DIR=str(tmp_path / f"state-{name}"))
-        # Executed as nbconvert does (an error in any cell fails it): a kernel each, no pytest around it.
-        runs.append(subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
-             str(tmp_path / name), "--ExecutePreprocessor.timeout=120", str(lesson)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    said = [run.communicate(timeout=600)[0] for run in runs]
-    for name, run, output in zip(("alice", "bob", "cy"), runs, said, strict=True):
-        assert run.returncode == 0, f"{lesson.name} as {name}:\n{output[-5000:]}"
-
-
 # --- join and status ---------------------------------------------------------------------------
 
 
@@ -736,38 +719,53 @@ def test_a_sealed_learner_process_reaches_a_tls_room_with_the_ca_in_its_environm
     assert done.returncode == 0 and "streams 0" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
-def test_lesson_00_runs_on_a_tls_room_joined_from_its_handout(tls_room: Classroom, tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    done = cli(["join", str(tls_room.folder / "learners" / "alice.txt")], env={"MSGLAB_STATE_DIR": str(state)})
-    assert done.returncode == 0, done.stdout + done.stderr
-    lesson = sorted((ROOT / "lessons").glob("00_*.ipynb"))[0]
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "NATS_CA", "MSGLAB_SERVER_VERSION")}
-    env["MSGLAB_STATE_DIR"] = str(state)
-    # A kernel as VS Code or a plain `jupyter lab` starts it: no NATS_URL, the joined account (nbval's conftest.py
-    # would give the kernel a state folder of its own). Any error in a cell fails the run.
-    run = subprocess.run(
-        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
-         str(tmp_path), "--ExecutePreprocessor.timeout=120", str(lesson)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    executed = json.loads((tmp_path / lesson.name).read_text())
-    texts = [o["text"] for c in executed["cells"] for o in c.get("outputs", []) if "text" in o]
-    said = "".join(t if isinstance(t, str) else "".join(t) for t in texts)
-    assert "your classroom account" in said and "ssl" not in said, said[:3000]
-    # The server's own record: the lesson's connections were alice's, TLS from their first byte, and did work.
-    with urllib.request.urlopen(f"{tls_room.monitor_url}/connz?state=closed&auth=true&acc=alice", timeout=5) as got:
-        closed = json.loads(got.read())["connections"]
-    assert closed and all(c["account"] == "alice" and c["tls_version"] and c["tls_first"] for c in closed), closed
-    assert sum(c["in_msgs"] for c in closed) >= 5, [(c["name"], c["in_msgs"]) for c in closed]
+def test_lesson_00_runs_three_times_at_once_on_a_tls_room_each_learner_joined_from_a_handout(tmp_path: Path) -> None:
+    """A room as a workshop uses it: three learners, each joined from the handout, run the same lesson at once."""
+    names = ["alice", "bob", "cy"]
+    room = Classroom.create(tmp_path / "tls-room", names, limits=LIMITS, host="127.0.0.1", port=0, monitor_port=0,
+                            tls=True)  # fmt: skip
+    server = start(room)
+    try:
+        lesson = sorted((ROOT / "lessons").glob("00_*.ipynb"))[0]
+        runs = []
+        for name in names:
+            state = tmp_path / f"state-{name}"
+            done = cli(["join", str(room.folder / "learners" / f"{name}.txt")], env={"MSGLAB_STATE_DIR": str(state)})
+            assert done.returncode == 0, done.stdout + done.stderr
+            env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "NATS_CA", "MSGLAB_SERVER_VERSION")}
+            env["MSGLAB_STATE_DIR"] = str(state)
+            # A kernel as VS Code or a plain `jupyter lab` starts it: no NATS_URL, the joined account (nbval's
+            # conftest.py would give the kernel a state folder of its own). Any error in a cell fails the run.
+            runs.append(subprocess.Popen(
+                [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
+                 str(tmp_path / name), "--ExecutePreprocessor.timeout=120", str(lesson)],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))  # fmt: skip
+        said = [run.communicate(timeout=600)[0] for run in runs]
+        for name, run, output in zip(names, runs, said, strict=True):
+            assert run.returncode == 0, f"{lesson.name} as {name}:\n{output[-5000:]}"
+            executed = json.loads((tmp_path / name / lesson.name).read_text())
+            texts = [o["text"] for c in executed["cells"] for o in c.get("outputs", []) if "text" in o]
+            shown = "".join(t if isinstance(t, str) else "".join(t) for t in texts)
+            assert "your classroom account" in shown and "ssl" not in shown, shown[:3000]
+            # The server's own record: the lesson's connections were this learner's, TLS from their first byte,
+            # and did work.
+            with urllib.request.urlopen(
+                f"{room.monitor_url}/connz?state=closed&auth=true&acc={name}", timeout=5
+            ) as got:
+                closed = json.loads(got.read())["connections"]
+            assert closed and all(c["account"] == name and c["tls_version"] and c["tls_first"] for c in closed), closed
+            assert sum(c["in_msgs"] for c in closed) >= 5, [(c["name"], c["in_msgs"]) for c in closed]
 
-    async def streams() -> list[str]:  # and it cleaned up after itself
-        nc = await nats.connect(tls_room.local_url("alice"), **tls_room.tls_options())
-        names = [str(s.config.name) for s in await nc.jetstream().streams_info()]
-        await nc.close()
-        return names
+        async def streams(name: str) -> list[str]:  # and each run cleaned up after itself
+            nc = await nats.connect(room.local_url(name), **room.tls_options())
+            found = [str(s.config.name) for s in await nc.jetstream().streams_info()]
+            await nc.close()
+            return found
 
-    assert asyncio.run(streams()) == []
+        assert [asyncio.run(streams(name)) for name in names] == [[], [], []]
+    finally:
+        server.stop()
 
 
 def test_msglab_check_grades_on_a_tls_room(tls_room: Classroom, monkeypatch: pytest.MonkeyPatch) -> None:
