@@ -127,3 +127,44 @@ def test_the_order_killed_mid_transaction_found_whole_at_the_end_is_a_phantom() 
     check = pipeline._phantom_check(pipeline.Pipeline(None), shop, "o-2", lambda o: [])  # type: ignore[arg-type]
     assert not check.passed and "something other than checkout wrote them" in check.message, check.message
     assert pipeline._phantom_check(pipeline.Pipeline(None), shop, "", lambda o: []).passed  # type: ignore[arg-type]
+
+
+def _orders(cents: dict[str, int]) -> pipeline.Orders:
+    orders = pipeline.Orders(None, {})  # type: ignore[arg-type]
+    orders.cents = dict(cents)
+    return orders
+
+
+def test_the_page_must_end_failed_for_the_order_over_the_card_limit_and_that_order_in_the_dlq() -> None:
+    shop = Shop({"o-1", "o-2"}, {1: "o-1", 2: "o-2"}, {})
+    orders = _orders({"o-1": 1200, "o-2": pipeline.CARD_LIMIT + 100})
+    pipe = pipeline.Pipeline(None)  # type: ignore[arg-type]
+    dead = pipeline.Dead(pipeline.PAYMENTS_DLQ, "o-2", "t-2", "over the card limit")
+    pipe.dead = [dead]
+    right = {"o-1": "confirmed", "o-2": "failed"}
+    assert pipeline._status_check(pipe, right, shop, orders, lambda o: []).passed
+    check = pipeline._status_check(pipe, {"o-1": "confirmed", "o-2": "confirmed"}, shop, orders, lambda o: [])
+    assert not check.passed and "o-2 shows confirmed, not failed" in check.message, check.message
+    pipe.dead = []
+    check = pipeline._status_check(pipe, right, shop, orders, lambda o: [])
+    assert not check.passed and "not in the payments DLQ" in check.message, check.message
+    check = pipeline._status_check(pipe, None, shop, orders, lambda o: [])
+    assert not check.passed and "did not answer" in check.message, check.message
+
+
+def test_every_committed_order_gets_exactly_one_receipt_of_its_status_and_is_charged_unless_over_the_limit() -> None:
+    from msglab.world.email_provider import Sent
+    from msglab.world.gateway import Charge
+
+    shop = Shop({"o-1", "o-2"}, {1: "o-1", 2: "o-2"}, {})
+    orders = _orders({"o-1": 1200, "o-2": pipeline.CARD_LIMIT + 100})
+    pipe = pipeline.Pipeline(None)  # type: ignore[arg-type]
+    sent = [Sent("em_1", "o-1", "c@x", "order_confirmation", 1.0), Sent("em_2", "o-2", "c@x", "payment_failed", 1.0)]
+    assert pipeline._receipts_check(pipe, sent, {}, shop, orders, lambda o: []).passed
+    check = pipeline._receipts_check(pipe, sent[:1] + sent[:1], {}, shop, orders, lambda o: [])
+    assert not check.passed and "o-1 got order_confirmation, order_confirmation" in check.message, check.message
+    charge = Charge("ch_1", "c-1", 1200, "o-1", "orders-1", 1.0)
+    assert pipeline._processed_once_check([charge], shop, orders, lambda o: []).passed
+    over = Charge("ch_2", "c-1", pipeline.CARD_LIMIT + 100, "o-2", "orders-2", 1.0)
+    check = pipeline._processed_once_check([charge, over], shop, orders, lambda o: [])
+    assert not check.passed and "other than never" in check.message, check.message

@@ -43,6 +43,7 @@ from msglab.grading.observe import refuse_publishes
 from msglab.grading.rules import plural
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held, while_moving
 from msglab.grading.verdict import Check
+from msglab.world import shop_services
 from msglab.world.outbox import CORRELATION_ID, SCHEMA
 from msglab.world.payments import open_shop
 
@@ -55,10 +56,19 @@ TOPOLOGY = Topology(
 )
 STREAM, DURABLE = TOPOLOGY.stream, TOPOLOGY.durable  # the contract: what the learner's permissions protect
 STATUS = "orders.status"  # the payments service's status events, orders.status.<order id>
+STATUS_STREAM, EMAIL_DURABLE = "STATUS", "email"  # the statuses, stored: the page reads them back, email takes them
+DLQ_STREAM = "DLQ"  # the services' dead letters
+PAYMENTS_DLQ, EMAIL_DLQ = "orders.payments.dlq", "orders.email.dlq"
+HELD = "services.payments.held"  # where the payments process says it holds a charged delivery (and is killed)
 # The grader's own marker, in a stream of its own with the same duplicate window (the learner's stream holds
 # only what the learner published): forgotten there, every Msg-Id published before it is forgotten in ORDERS.
 PROBE_STREAM, PROBE = "PROBE", "probe.window"
-LEARNER_DENY_PUBLISH = ["orders.status.>", "probe.>"]  # only the course's services publish these
+STREAMS = (STREAM, STATUS_STREAM, DLQ_STREAM, PROBE_STREAM)
+DURABLES = (DURABLE, EMAIL_DURABLE)  # the course's consumers: learner code may not create or change them
+# Only the course's services publish these: statuses, dead letters, receipts, charges, the held payments' word.
+LEARNER_DENY_PUBLISH = ["orders.status.>", "orders.payments.>", "orders.email.>", "services.>", "gateway.>", "probe.>"]
+CARD_LIMIT = shop_services.CARD_LIMIT  # cents: an order over it ends failed (payments' rule, lesson 07's too)
+EMAIL_OUTAGE = 0.3  # seconds the email provider is down from the first receipt (it must be retried)
 WINDOW = 0.5  # seconds: the stream's duplicate window (JetStream's default is 2 minutes; scaled down)
 RECONNECTS = 100  # the run's server restarts once: every connection retries it (every 0.1 s, ~10 s)
 PARAMS: dict[str, Any] = {"db": "shop.sqlite"}  # the shop's database, in the run's home folder
@@ -66,6 +76,9 @@ MSG_ID = "Nats-Msg-Id"
 ORDERS = (6, 3, 3)  # orders placed before the relay's crash, while it is down, after the server's restart
 DEADLINE = 5.0  # seconds any phase may wait for the pipeline to catch up (generous: load never judges)
 CALL_TIMEOUT = 5.0  # one checkout takes milliseconds
+# The order over the card limit (seeded): one whose checkout is never killed mid-transaction (orders 2-4 may
+# be) and placed before the stream refuses publishes, so it is committed and must end failed.
+OVER_LIMIT = (1, 5, 6, 7, 8, 9)
 
 
 # What each of the learner's roles may write (SQLite's authorizer refuses the rest): the shop's tables.
@@ -264,12 +277,33 @@ async def _provision_probe(js: Any, names: Any) -> None:
     )
 
 
-# --- the course's side of the pipeline, in the grader's process -------------------------------------
+# --- the course's side of the pipeline: payments, email and the page, processes of their own -----------
+
+
+async def _provision_services(js: Any, names: Any) -> None:
+    """The statuses' stream (the page reads it back after a restart; email's durable takes from it) and the DLQs."""
+    from nats.js.api import AckPolicy, ConsumerConfig, StorageType
+
+    status = names.stream(STATUS_STREAM)
+    await js.add_stream(name=status, subjects=[names.subject(f"{STATUS}.>")], storage=StorageType.FILE)
+    await js.add_stream(
+        name=names.stream(DLQ_STREAM),
+        subjects=[names.subject(PAYMENTS_DLQ), names.subject(EMAIL_DLQ)],
+        storage=StorageType.FILE,
+    )
+    config = ConsumerConfig(
+        durable_name=names.durable(EMAIL_DURABLE),
+        filter_subject=names.subject(f"{STATUS}.>"),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=TOPOLOGY.ack_wait,
+        max_deliver=shop_services.MAX_DELIVER,
+    )
+    await js.add_consumer(status, config)
 
 
 @dataclass
 class Stored:
-    """One event the stream stored on orders.placed, as the grader's own subscription saw it."""
+    """One event the stream stored on orders.placed, as the grader read it back."""
 
     ts: float
     seq: int
@@ -279,20 +313,97 @@ class Stored:
 
 
 @dataclass
+class Dead:
+    """One dead letter the DLQ stream stored: which order, its Correlation-Id, why."""
+
+    subject: str
+    order_id: str
+    correlation_id: str
+    reason: str
+
+
+@dataclass
 class Pipeline:
-    """The grader's records: what was stored, charged and shown, and the faults it made."""
+    """The grader's records (the stream, the gateway's charges, the provider's mail, the page) and its faults."""
 
     run: Run
     stored: list[Stored] = field(default_factory=list)
-    charged: list[tuple[float, str, str, int]] = field(default_factory=list)  # ts, order, correlation id, seq
-    page: Any = None
-    gateway: Any = None
-    stop_payments_at: int = 0  # the payments service stops after charging this delivery, before its ack
-    payments_stopped: rules.Planned | None = None
-    deliveries: int = 0
+    statuses: list[Stored] = field(default_factory=list)  # the status events the STATUS stream stored
+    dead: list[Dead] = field(default_factory=list)
+    finals: dict[str, str] = field(default_factory=dict)  # the final statuses the grader heard (to pace phases)
+    gateway: Any = None  # attached on the grader's connection: its store in the grader's private folder
+    provider: Any = None  # the same, for module 04's email provider
+    page: Any = None  # the status page's process (shop_services.Service)
+    services: list[Any] = field(default_factory=list)  # every service process started
+    payments: Any = None  # the payments process running now
+    kill_payments_at: int = 0  # the first payments process is SIGKILLed after charging this delivery, before its ack
+    payments_killed: rules.Planned | None = None
+    held: dict[str, Any] = field(default_factory=dict)  # what the killed payments process said it held
+    killed_at: float = 0.0
+    restarting: asyncio.Task[Any] | None = None
     ahead: tuple[int, int] | None = None  # the first relay's saved position and the stream's last row, at its kill
-    task: asyncio.Task[None] | None = None
-    stopped: bool = False
+
+    async def start(self, service: str, **options: Any) -> Any:
+        """One service process (started in a thread: its ~0.3 s start does not hold the grader's loop)."""
+        started = await asyncio.to_thread(shop_services.start, service, self.run.url, **options)
+        self.services.append(started)
+        return started
+
+    def payments_options(self, hold: bool) -> dict[str, Any]:
+        names = self.run.names
+        options: dict[str, Any] = {
+            "stream": names.stream(STREAM), "durable": names.durable(DURABLE), "gateway": self.gateway.subject,
+            "status": names.subject(STATUS), "dlq": names.subject(PAYMENTS_DLQ), "key": "seq",
+            "card_limit": CARD_LIMIT,
+        }  # fmt: skip
+        if hold:
+            options.update(hold_after=self.kill_payments_at, announce=names.subject(HELD))
+        return options
+
+    async def on_held(self, msg: Any) -> None:
+        """The first payments process charged its planned delivery and holds it unacked: SIGKILL it, start another."""
+        try:
+            said = json.loads(msg.data)
+        except ValueError:
+            return
+        first = self.payments
+        if self.payments_killed is None or self.payments_killed.fired or first is None or said.get("pid") != first.pid:
+            return
+        first.proc.kill()  # SIGKILL, now: the charged delivery is never acked
+        self.killed_at, self.held = time.time(), said
+        self.payments_killed.fired = True
+        self.restarting = asyncio.ensure_future(self.start("payments", **self.payments_options(hold=False)))
+
+    async def on_status(self, msg: Any) -> None:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            body = json.loads(msg.data)
+            if body["status"] in ("confirmed", "failed"):
+                self.finals[str(body["id"])] = str(body["status"])
+
+    async def shown(self) -> dict[str, str] | None:
+        """The page's GET /orders now (None if the page process does not answer)."""
+        if self.page is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.page.orders, 2.0)
+        except (OSError, ValueError):
+            return None
+
+    def charged(self) -> list[Any]:
+        return self.gateway.charges() if self.gateway is not None else []
+
+    def sent(self) -> list[Any]:
+        return self.provider.sent() if self.provider is not None else []
+
+    async def stop(self) -> None:
+        if self.restarting is not None:
+            with contextlib.suppress(Exception):
+                await self.restarting
+        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in self.services), return_exceptions=True)
+        for attached in (self.gateway, self.provider):
+            if attached is not None:
+                with contextlib.suppress(Exception):
+                    await attached.stop()
 
     async def count(self) -> int:
         """How many events the stream holds on orders.placed now (the server's count)."""
@@ -314,66 +425,39 @@ class Pipeline:
 
     async def read_stream(self) -> None:
         """What the stream stored on orders.placed, read back from the server, in order (one request each)."""
-        from nats.js.errors import NotFoundError
+        self.stored = await self._read(STREAM, TOPOLOGY.subject)
 
-        names, seq = self.run.names, 1
-        self.stored = []
-        while True:
-            try:
-                msg = await self.run.js.get_msg(
-                    names.stream(STREAM), seq, subject=names.subject(TOPOLOGY.subject), next=True
-                )
-            except NotFoundError:  # nothing more on the subject
-                return
+    async def read_services(self) -> None:
+        """The status events and the dead letters the services' streams stored."""
+        self.statuses = await self._read(STATUS_STREAM, f"{STATUS}.>")
+        self.dead = []
+        for subject in (PAYMENTS_DLQ, EMAIL_DLQ):
+            for msg in await self._messages(DLQ_STREAM, subject):
+                headers = msg.headers or {}
+                order = _order_id(msg.data or b"")
+                self.dead.append(Dead(subject, order, headers.get(CORRELATION_ID, ""), headers.get("Dlq-Reason", "")))
+
+    async def _read(self, stream: str, subject: str) -> list[Stored]:
+        found = []
+        for msg in await self._messages(stream, subject):
             headers = msg.headers or {}
             stamp = msg.time.timestamp() if getattr(msg, "time", None) is not None else 0.0
             order_id, cid = _order_id(msg.data or b""), headers.get(CORRELATION_ID, "")
-            self.stored.append(Stored(stamp, int(msg.seq or 0), headers.get(MSG_ID, ""), order_id, cid))
-            seq = int(msg.seq or 0) + 1
+            found.append(Stored(stamp, int(msg.seq or 0), headers.get(MSG_ID, ""), order_id, cid))
+        return found
 
-    async def payments(self) -> None:
-        """The course's payments service: charge each stored event once per stream sequence, then say so."""
-        from msglab.world import gateway
-        from msglab.world.status_page import publish_status
+    async def _messages(self, stream: str, subject: str) -> list[Any]:
+        from nats.js.errors import NotFoundError
 
-        run, names = self.run, self.run.names
-        sub = None
-        while not self.stopped:
+        names, seq = self.run.names, 1
+        found: list[Any] = []
+        while True:
             try:
-                if sub is None:
-                    sub = await run.js.pull_subscribe_bind(names.durable(DURABLE), stream=names.stream(STREAM))
-                msgs = await sub.fetch(10, timeout=0.3)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # an empty fetch, or the server restarting: ask again
-                continue
-            for msg in msgs:
-                order_id, cid = _order_id(msg.data), (msg.headers or {}).get(CORRELATION_ID, "")
-                seq = int(msg.metadata.sequence.stream)
-                carried = {CORRELATION_ID: cid} if cid else None
-                try:
-                    order = json.loads(msg.data)
-                    await publish_status(run.nc, order_id, "pending", prefix=names.subject(STATUS), headers=carried)
-                    await gateway.charge(
-                        run.nc,
-                        names.subject("gateway.charge"),
-                        str(order.get("customer", "")),
-                        int(order.get("cents", 0)),
-                        reference=order_id,
-                        idempotency_key=f"orders-{seq}",
-                    )
-                    self.charged.append((time.time(), order_id, cid, seq))
-                    await publish_status(run.nc, order_id, "confirmed", prefix=names.subject(STATUS), headers=carried)
-                    self.deliveries += 1
-                    if self.deliveries == self.stop_payments_at and self.payments_stopped is not None:
-                        self.payments_stopped.fired = True  # charged, never acked: the event comes back
-                        sub = None
-                        break
-                    await msg.ack_sync()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # a bad event, or the server restarting: it is delivered again
-                    continue
+                msg = await self.run.js.get_msg(names.stream(stream), seq, subject=names.subject(subject), next=True)
+            except NotFoundError:  # nothing more on the subject
+                return found
+            found.append(msg)
+            seq = int(msg.seq or 0) + 1
 
 
 def _order_id(data: bytes) -> str:
@@ -415,19 +499,40 @@ async def grade(run: Run) -> list[Check]:
     run.sandbox.give(Path(path))  # the learner's processes write it
     params = {"db": path}
     pipe = Pipeline(run)
+    from msglab.world import email_provider as ep
     from msglab.world import gateway
-    from msglab.world.status_page import StatusPage
 
-    pipe.gateway = await asyncio.to_thread(
-        gateway.start, run.url, db_path=os.path.join(run.tmp, "gateway.sqlite"), prefix=run.names.subject("gateway")
+    # The gateway and the email provider answer on the grader's connection (two processes fewer per verdict),
+    # over NATS like any service, their stores in a folder of the grader's only (0700), no credentials on any
+    # command line; payments, email and the page are processes of their own, started together.
+    private = os.path.join(run.tmp, "services")
+    os.mkdir(private, 0o700)
+    pipe.gateway = await gateway.attach(
+        run.nc, os.path.join(private, "gateway.sqlite"), prefix=run.names.subject("gateway")
     )
-    pipe.page = await StatusPage.start(run.nc, subject=run.names.subject(f"{STATUS}.>"))
-    pipe.stop_payments_at = rng(run.seed, "payments stop").randint(2, 4)
-    pipe.payments_stopped = rules.Planned(
-        f"stop the payments service after its charge of delivery #{pipe.stop_payments_at}, before its ack",
+    pipe.provider = await ep.attach(
+        run.nc, os.path.join(private, "provider.sqlite"), prefix=run.names.subject("provider")
+    )
+    pipe.provider.behaviour.control("template", name=shop_services.TEMPLATES["failed"], known=True)
+    pipe.provider.behaviour.control("outage", seconds=EMAIL_OUTAGE, from_next_request=True)
+    await _provision_services(run.js, run.names)
+    pipe.kill_payments_at = rng(run.seed, "payments kill").randint(2, 4)
+    pipe.payments_killed = rules.Planned(
+        f"SIGKILL the payments process after its charge of delivery #{pipe.kill_payments_at}, before its ack",
         "the relay must publish every committed order",
     )
-    run.planned.append(pipe.payments_stopped)
+    run.planned.append(pipe.payments_killed)
+    held_sub = await run.nc.subscribe(run.names.subject(HELD), cb=pipe.on_held)
+    status_sub = await run.nc.subscribe(run.names.subject(f"{STATUS}.>"), cb=pipe.on_status)
+    names = run.names
+    pipe.page, pipe.payments, _ = await asyncio.gather(
+        pipe.start("status", subject=names.subject(f"{STATUS}.>"), stream=names.stream(STATUS_STREAM)),
+        pipe.start("payments", **pipe.payments_options(hold=True)),
+        pipe.start(
+            "email", stream=names.stream(STATUS_STREAM), durable=names.durable(EMAIL_DURABLE),
+            provider=pipe.provider.subject, dlq=names.subject(EMAIL_DLQ),
+        ),
+    )  # fmt: skip
     relay_at = rng(run.seed, "relay kill").randint(2, 4)
     relay_kill = rules.Planned(
         f"kill your first relay once the stream stored its row #{relay_at}: on its next write to the shop's "
@@ -479,7 +584,6 @@ async def grade(run: Run) -> list[Check]:
     watch = await run.nc.subscribe(run.names.subject(TOPOLOGY.subject), cb=on_publish)
     phase, orders = Phases(run), Orders(run, params)
     relays.prepare(2)
-    pipe.task = asyncio.ensure_future(pipe.payments())
     down, restarted = 0.0, 0.0
     try:
         async with phase("orders, a checkout killed"):
@@ -530,34 +634,34 @@ async def grade(run: Run) -> list[Check]:
                 run, lambda: _either(gone(second), _settled(pipe, orders)), lambda: _moved(pipe), DEADLINE,
                 stall=STALL, deadline=time.monotonic() + DRAIN_CAP,
             )  # fmt: skip
-            await run.wait_for(lambda: pipe.payments_stopped is not None and pipe.payments_stopped.fired, 0.1)
+            await run.wait_for(lambda: pipe.payments_killed is not None and pipe.payments_killed.fired, 0.1)
+        shown = await pipe.shown()  # what the page ends showing: read before any service stops
     finally:
         await watch.unsubscribe()
+        await held_sub.unsubscribe()
+        await status_sub.unsubscribe()
         await _end_refusal(armed)
         await relays.cancel()
-        if pipe.task is not None:
-            pipe.stopped = True
-            pipe.task.cancel()
-            # nats-py's fetch can hold a cancelled task past its own timeout: the run's end closes the connection
-            await asyncio.wait([pipe.task], timeout=2.0)
-        charges = pipe.gateway.charges() if pipe.gateway is not None else []
-        with contextlib.suppress(Exception):
-            await pipe.page.stop()
-        if pipe.gateway is not None:
-            await asyncio.to_thread(pipe.gateway.stop, True)
+        charges, sent = pipe.charged(), pipe.sent()
+        await pipe.stop()
     await relays.settle()
-    if not pipe.payments_stopped.fired and pipe.payments_stopped.seen == "":
-        pipe.payments_stopped.seen = f"only {plural(pipe.deliveries, 'event')} reached payments"
+    if not pipe.payments_killed.fired and pipe.payments_killed.seen == "":
+        info = await run.js.consumer_info(run.names.stream(STREAM), run.names.durable(DURABLE))
+        pipe.payments_killed.seen = (
+            f"the stream delivered only {plural(int(info.delivered.consumer_seq), 'event')} to payments"
+        )
     await pipe.read_stream()
+    await pipe.read_services()
     db = orders.read()
-    trace = functools.partial(_trace, run, pipe, orders, down, restarted)
+    trace = functools.partial(_trace, run, pipe, orders, down, restarted, charges)
     phantom = _phantom_check(pipe, db, orders.torn, trace)  # meaningful with no order committed too
     downstream = [
         _lost_check(pipe, db, orders, trace),
         _published_once_check(pipe.stored, db, down, trace),
-        _processed_once_check(charges, db, trace),
+        _processed_once_check(charges, db, orders, trace),
         _correlation_check(pipe, orders, db, trace),
-        _status_check(pipe, db, trace),
+        _status_check(pipe, shown, db, orders, trace),
+        _receipts_check(pipe, sent, shown, db, orders, trace),
     ]
     if not db.orders:  # nothing committed: a pass here would claim what no evidence shows (rule 7)
         downstream = [_untested(c) for c in downstream]
@@ -576,7 +680,7 @@ def _untested(check: Check) -> Check:
         check.title,
         False,
         "untested: no order was committed, so there was nothing to commit together, nor anything to reach the "
-        "stream, payments or the page.",
+        "stream, payments, email or the page.",
         hint="make checkout commit each order with its outbox row first",
     )
 
@@ -617,6 +721,7 @@ class Orders:
     checkout: Child | None = None
     tearing: rules.Planned | None = None  # the kill between the two tables' writes of the order being placed
     tables: list[str] = field(default_factory=list)  # the tables the order being placed wrote so far
+    cents: dict[str, int] = field(default_factory=dict)  # order id -> its amount
 
     async def on_write(self, child: Child, table: str, call: int) -> None:
         """A checkout's write to `table`: the planned kill lands before its first write to a second table."""
@@ -642,11 +747,13 @@ class Orders:
         if unsent:
             self.checkout.faults.append(_commit_crash(n, self.checkout.calls["commit"]))
         r = rng(self.run.seed, f"order {n}")
+        over = n == rng(self.run.seed, "over the card limit").choice(OVER_LIMIT)
         order: dict[str, Any] = {
             "id": f"o-{n:03d}",
             "customer": f"c-{r.randint(1, 9)}",
-            "cents": 100 * r.randint(5, 90),
+            "cents": CARD_LIMIT + 100 * r.randint(1, 50) if over else 100 * r.randint(5, 90),
         }
+        self.cents[str(order["id"])] = int(order["cents"])
         cid = f"trace-{r.getrandbits(48):012x}"
         reply = await self.checkout.call("place", timeout, order=order, correlation_id=cid)
         self.placed[str(order["id"])] = (time.time(), cid, reply)
@@ -658,6 +765,10 @@ class Orders:
             self.killed.append(str(order["id"]))
             self.torn = str(order["id"]) if torn else self.torn
             self.unsent = str(order["id"]) if unsent else self.unsent
+
+    def expected(self, order_id: str) -> str:
+        """How the order must end, by payments' rule: failed over the card limit, else confirmed."""
+        return "failed" if self.cents.get(order_id, 0) > CARD_LIMIT else "confirmed"
 
     def correlation(self, order_id: str) -> str:
         return self.placed[order_id][1] if order_id in self.placed else ""
@@ -733,11 +844,11 @@ def _publishable(shop: Shop) -> set[str]:
 
 
 async def _wanted(pipe: Pipeline, shop: Shop) -> set[str]:
-    """The committed orders the phases wait to see charged: those with an outbox row, less the rows a relay
+    """The committed orders the phases wait to see decided: those with an outbox row, less the rows a relay
     passed over (below the stream's last row and not in the stream: a relay publishes in order, it will not
     come back for them), so a run that lost a row is not kept waiting for it."""
     wanted = _publishable(shop)
-    missing = wanted - {c[1] for c in pipe.charged}
+    missing = wanted - set(pipe.finals)
     if not missing:
         return wanted
     last = await pipe.last_msg_id()
@@ -749,7 +860,7 @@ async def _wanted(pipe: Pipeline, shop: Shop) -> set[str]:
 
 
 async def _published(pipe: Pipeline, orders: Orders) -> bool:
-    return await _wanted(pipe, orders.read()) <= {c[1] for c in pipe.charged}
+    return await _wanted(pipe, orders.read()) <= set(pipe.finals)
 
 
 STALL = 2.0  # the drain waits on past DEADLINE while something moved within this many seconds ...
@@ -757,18 +868,23 @@ DRAIN_CAP = 15.0  # ... up to this in all
 
 
 def _moved(pipe: Pipeline) -> tuple[int, int, int]:
-    """What changes while the pipeline drains: payments' deliveries and charges, the page's changes."""
-    return pipe.deliveries, len(pipe.charged), len(pipe.page.changes) if pipe.page else 0
+    """What changes while the pipeline drains: the charges, the provider's requests, the statuses heard."""
+    requests = len(pipe.provider.requests()) if pipe.provider is not None else 0
+    return len(pipe.charged()), requests, len(pipe.finals)
 
 
 async def _settled(pipe: Pipeline, orders: Orders) -> bool:
+    """Every wanted order shown final on the page, as the grader's rule says, with its receipt sent."""
     wanted = await _wanted(pipe, orders.read())
-    charged = {c[1] for c in pipe.charged}
-    shown = {o for o, s in (pipe.page.orders if pipe.page else {}).items() if s == "confirmed"}
-    return wanted <= charged and wanted <= shown
+    if not wanted <= {str(e.order_id) for e in pipe.sent()}:
+        return False
+    shown = await pipe.shown() or {}
+    return all(shown.get(o) == orders.expected(o) for o in wanted)
 
 
-def _trace(run: Run, pipe: Pipeline, orders: Orders, down: float, restarted: float, order_id: str) -> list[str]:
+def _trace(
+    run: Run, pipe: Pipeline, orders: Orders, down: float, restarted: float, charges: list[Any], order_id: str
+) -> list[str]:
     steps = Trace(run)
     if order_id in orders.placed:
         ts, cid, reply = orders.placed[order_id]
@@ -778,9 +894,14 @@ def _trace(run: Run, pipe: Pipeline, orders: Orders, down: float, restarted: flo
     for s in pipe.stored:
         if s.order_id == order_id:
             steps.add(s.ts, f"stream stored it as #{s.seq} (Nats-Msg-Id {s.msg_id or 'none'})")
-    for ts, o, _, seq in pipe.charged:
-        if o == order_id:
-            steps.add(ts, f"payments charged it for stream event #{seq}")
+    for c in charges:
+        if c.reference == order_id:
+            steps.add(c.ts, f"payments charged it (idempotency key {c.idempotency_key})")
+    if pipe.killed_at and pipe.held.get("order") == order_id:
+        steps.add(pipe.killed_at, f"payments process {pipe.held.get('pid')} SIGKILLed after its charge, before its ack")
+    for s in pipe.statuses:
+        if s.order_id == order_id:
+            steps.add(s.ts, f"payments said {s.msg_id.rsplit('-', 1)[-1] or 'a status'}")
     if down:
         steps.add(down, "first relay gone; the grader waits past the duplicate window")
     if restarted:
@@ -947,12 +1068,13 @@ def _published_once_check(stored: list[Stored], shop: Shop, down: float, trace: 
     )
 
 
-def _processed_once_check(charges: list[Any], shop: Shop, trace: Any) -> Check:
-    title = "every committed order is charged exactly once"
+def _processed_once_check(charges: list[Any], shop: Shop, orders: Orders, trace: Any) -> Check:
+    title = "every committed order is charged exactly once, and an order over the card limit never"
     per: dict[str, int] = {}
     for c in charges:
         per[str(c.reference)] = per.get(str(c.reference), 0) + 1
-    bad = sorted(o for o in shop.orders if per.get(o, 0) != 1)
+    over = {o for o in shop.orders if orders.expected(o) == "failed"}
+    bad = sorted(o for o in shop.orders if per.get(o, 0) != (0 if o in over else 1))
     if not bad:
         return Check("processed_once", title, True)
     o = bad[0]
@@ -960,7 +1082,8 @@ def _processed_once_check(charges: list[Any], shop: Shop, trace: Any) -> Check:
         "processed_once",
         title,
         False,
-        f"{plural(len(bad), 'committed order')} charged other than once; {o} was charged {per.get(o, 0)} times.",
+        f"{plural(len(bad), 'committed order')} charged other than {'never' if o in over else 'once'}; "
+        f"{o} was charged {per.get(o, 0)} times.",
         trace=trace(o),
         hint="every committed order must reach the stream once: payments charges each stored event",
     )
@@ -969,8 +1092,8 @@ def _processed_once_check(charges: list[Any], shop: Shop, trace: Any) -> Check:
 def _correlation_check(pipe: Pipeline, orders: Orders, shop: Shop, trace: Any) -> Check:
     title = "every downstream effect carries its order's Correlation-Id"
     effects = [("the stream's event", s.order_id, s.correlation_id) for s in pipe.stored]
-    effects += [("the charge", o, cid) for _, o, cid, _ in pipe.charged]
-    effects += [(f"the page's '{c.status}'", c.order_id, c.correlation_id) for c in pipe.page.changes]
+    effects += [(f"the status '{s.msg_id.rsplit('-', 1)[-1]}'", s.order_id, s.correlation_id) for s in pipe.statuses]
+    effects += [(f"the dead letter on {d.subject}", d.order_id, d.correlation_id) for d in pipe.dead]
     for what, o, cid in effects:
         want = orders.correlation(o)
         if o in shop.orders and cid != want:
@@ -983,20 +1106,55 @@ def _correlation_check(pipe: Pipeline, orders: Orders, shop: Shop, trace: Any) -
     return Check("correlation_carried", title, True)
 
 
-def _status_check(pipe: Pipeline, shop: Shop, trace: Any) -> Check:
-    title = "the status view ends right for every order"
-    shown = dict(pipe.page.orders)
-    wrong = sorted(o for o in shop.orders if shown.get(o) != "confirmed")
+def _status_check(pipe: Pipeline, shown: dict[str, str] | None, shop: Shop, orders: Orders, trace: Any) -> Check:
+    title = (
+        "the status view ends right for every order: confirmed, or failed (over the card limit) and in the payments DLQ"
+    )
+    if shown is None:
+        return Check(
+            "status_right", title, False, "the status page's process did not answer GET /orders at the end.",
+            hint="every committed order must reach the stream (the page follows payments)",
+        )  # fmt: skip
+    wrong = sorted(o for o in shop.orders if shown.get(o) != orders.expected(o))
     extra = sorted(o for o in shown if o not in shop.orders)
-    if not wrong and not extra:
+    failed = sorted(o for o in shop.orders if orders.expected(o) == "failed")
+    dead = [d for d in pipe.dead if d.subject == PAYMENTS_DLQ]
+    undead = [o for o in failed if o not in {d.order_id for d in dead}]  # twice: a duplicate event's (published_once)
+    if not wrong and not extra and not undead:
         return Check("status_right", title, True)
     if wrong:
         o = wrong[0]
-        message = f"{plural(len(wrong), 'committed order')} not shown confirmed; {o} shows {shown.get(o, 'nothing')}."
-    else:
+        message = (
+            f"{plural(len(wrong), 'committed order')} not shown as it ends; {o} shows {shown.get(o, 'nothing')}, "
+            f"not {orders.expected(o)}."
+        )
+    elif extra:
         o = extra[0]
         message = f"the page shows {plural(len(extra), 'order')} that was never committed ({o})."
+    else:
+        o = undead[0]
+        message = f"{o} (over the card limit) shows failed but is not in the payments DLQ."
     return Check(
         "status_right", title, False, message, trace=trace(o),
-        hint="every committed order must reach the stream (the page follows payments)",
+        hint="every committed order must reach the stream once (the page follows payments)",
+    )  # fmt: skip
+
+
+def _receipts_check(
+    pipe: Pipeline, sent: list[Any], shown: dict[str, str] | None, shop: Shop, orders: Orders, trace: Any
+) -> Check:
+    title = "every committed order gets exactly one receipt (its status's), through an email outage"
+    per: dict[str, list[str]] = {}
+    for e in sent:
+        per.setdefault(str(e.order_id), []).append(str(e.template))
+    want = {o: shop_services.TEMPLATES[orders.expected(o)] for o in shop.orders}
+    bad = sorted(o for o in shop.orders if per.get(o, []) != [want[o]])
+    if not bad:
+        return Check("receipts_once", title, True)
+    o = bad[0]
+    got = ", ".join(per.get(o, [])) or "none"
+    return Check(
+        "receipts_once", title, False,
+        f"{plural(len(bad), 'committed order')} without exactly one receipt; {o} got {got} (wanted {want[o]}).",
+        trace=trace(o), hint="every committed order must reach the stream (email follows payments' statuses)",
     )  # fmt: skip

@@ -379,7 +379,17 @@ async def _serve(service: str, options: dict[str, Any]) -> None:
         print(json.dumps(ready), flush=True)
         await run(nc, js, **options)
     finally:
-        await nc.close()
+        with contextlib.suppress(Exception):  # a connection already gone: nothing to print on the way out
+            await nc.close()
+
+
+async def _until_stopped(service: str, options: dict[str, Any]) -> None:
+    """Serve until SIGTERM, which ends the service quietly (its connection closed, no traceback)."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await _serve(service, options)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -388,9 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1 or args[0] not in SERVICES:
         sys.exit(f"usage: python -m msglab.world.shop_services {{{','.join(SERVICES)}}} < options.json")
     options = json.loads(sys.stdin.readline())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        asyncio.run(_serve(args[0], options))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_until_stopped(args[0], options))
 
 
 if __name__ == "__main__":
