@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -110,68 +111,91 @@ def test_a_checkout_that_fails_on_its_own_stops_the_run_instead_of_being_counted
         asyncio.run(pipeline.dual_write(declines, orders=3, kills=0))
 
 
-def test_the_live_shop_takes_each_order_through_every_hop_to_a_final_status_on_its_page(
+def test_the_live_shop_runs_each_service_as_a_process_and_takes_each_order_to_a_final_status_on_its_page(
     server: EmbeddedServer,
 ) -> None:
-    """Checkout's outbox, the relay, payments (dedup table, idempotency key), email and the page, in one
-    process on a real server: an order under the card limit ends confirmed with a receipt, one over it failed
-    and dead-lettered; its trace holds every hop; a stalled payments consumer's queue deepens by each order."""
+    """Checkout's outbox in this process; the relay, payments, email, the page, the gateway and module 04's email
+    provider each a process of its own, on a real server: an order under the card limit ends confirmed with one
+    receipt (after the provider's outage, retried), one over it failed, dead-lettered by payments and its receipt
+    dead-lettered by email (the mailbox does not exist); the trace holds every hop; a stopped payments process's
+    queue deepens by each order and a new one drains it; close() leaves no process, stream or folder behind."""
 
-    left: list[str] = []
-
-    async def body() -> tuple[dict[str, str], Any, int, list[int], list[int], str]:
+    async def body() -> dict[str, Any]:
         nc = await nats.connect(server.url)
         shop = await pipeline.Shop.open(nc, nc.jetstream())
+        seen: dict[str, Any] = {"pids": {name: s.pid for name, s in shop.services.items()}}
+        processes = list(shop.services.values())
         try:
-            page = await shop.page()
+            await shop.provider.outage(nc, 0.2, from_next_request=True)  # the first receipt meets an outage
+            await shop.provider.control(nc, "mailbox", address="c-2@example.com", exists=False)
             small = {"id": "o-1", "customer": "c-1", "cents": 1200}
             large = {"id": "o-2", "customer": "c-2", "cents": pipeline.CARD_LIMIT + 1}
-            final = await shop.settled(await shop.place([small, large]))
-            path = await shop.trace("o-1")
-            dlq = await shop.dlq_depth()
+            seen["final"] = await shop.settled(await shop.place([small, large]))
+            seen["path"] = [hop.what for hop in (await shop.trace("o-1")).hops]
+            seen["path2"] = [hop.what for hop in (await shop.trace("o-2")).hops]
+            seen["receipts"] = await shop.receipts()
+            seen["dlqs"] = await shop.dlqs()
+            page = await shop.page()
+            seen["shown"] = [(c.order_id, c.status) for c in page.changes]
             shop.stall()
+            seen["stalled_alive"] = processes[1].alive
             readings = await shop.watch([{"id": f"o-{i}", "customer": "c-3", "cents": 900} for i in (3, 4, 5)])
-            stalled = [r.consumers["payments"][0] for r in readings]
+            seen["stalled"] = [r.consumers["payments"][0] for r in readings]
             shop.release()
+            processes.append(shop.services["payments"])
             await shop.settled(["o-3", "o-4", "o-5"])
-            after = (await shop.lag()).consumers["payments"][0]
-            charges = [c.reference for c in shop._gateway.charges()]
-            return final, path, dlq, stalled, [after], ",".join(sorted(str(c) for c in charges)) + page.url[:4]
+            seen["after"] = (await shop.lag()).consumers["payments"][0]
+            seen["charged"] = sorted(str(c.reference) for c in shop.gateway.charges())
+            seen["page"] = shop.services["status"].orders()
+            seen["folder"] = shop.folder
         finally:
             await shop.close()
-            left.extend(str(s.config.name) for s in await nc.jetstream().streams_info())
+            seen["left"] = [str(s.config.name) for s in await nc.jetstream().streams_info()]
+            seen["alive"] = [p.alive for p in processes]
             await nc.close()
+        return seen
 
-    final, path, dlq, stalled, after, charged = asyncio.run(body())
-    assert final == {"o-1": "confirmed", "o-2": "failed"}
-    assert dlq == 1
-    what = [hop.what for hop in path.hops]
-    assert what[0] in ("lesson07.orders.placed", "lesson07.orders.status.o-1")  # both rows of one transaction
-    for hop in ("lesson07.orders.placed", "lesson07.orders.status.o-1", "lesson07.orders.email.sent.o-1",
-                "shown pending", "shown confirmed"):  # fmt: skip
-        assert hop in what, (hop, path)
-    assert stalled == [1, 2, 3] and after == [0]  # nothing paid while stalled; all of it once released
-    assert charged == "o-1,o-3,o-4,o-5http"  # each confirmed order charged once, the failed one never
-    assert not [name for name in left if name.startswith("LESSON07_")]  # close() leaves no stream behind
+    seen = asyncio.run(body())
+    assert len(set(seen["pids"].values()) | {os.getpid()}) == 7  # six processes, none of them this one
+    assert set(seen["pids"]) == {"relay", "payments", "email", "status", "gateway", "provider"}
+    assert seen["final"] == {"o-1": "confirmed", "o-2": "failed"}
+    assert seen["dlqs"] == {"payments": 1, "email": 1}  # o-2 refused for good by payments; its receipt by the provider
+    receipts = seen["receipts"]
+    assert receipts.sent == {"o-1": "order_confirmation"} and receipts.dead == ["o-2"]
+    assert receipts.refused.get(503, 0) >= 1 and receipts.refused.get(422) == 1  # retried through the outage
+    for hop in ("placed", "status pending", "status confirmed", "shown pending", "shown confirmed",
+                "receipt refused: 503", "receipt sent (order_confirmation)"):  # fmt: skip
+        assert hop in seen["path"], (hop, seen["path"])
+    path = seen["path"]  # oldest first, and each hop after the one that caused it
+    assert path[0] == "placed" and path.index("status confirmed") < path.index("receipt sent (order_confirmation)")
+    assert {"payments.dlq", "status failed", "shown failed", "receipt refused: 422", "email.dlq"} <= set(seen["path2"])
+    assert [s for o, s in seen["shown"] if o == "o-1"] == ["pending", "confirmed"]  # what a browser was pushed
+    assert [s for o, s in seen["shown"] if o == "o-2"] == ["pending", "failed"]
+    assert seen["stalled_alive"] is False and seen["stalled"] == [1, 2, 3] and seen["after"] == 0
+    assert seen["charged"] == ["o-1", "o-3", "o-4", "o-5"]  # each confirmed order charged once, the failed one never
+    assert seen["page"] == {"o-1": "confirmed", "o-2": "failed", "o-3": "confirmed", "o-4": "confirmed",
+                            "o-5": "confirmed"}  # fmt: skip
+    assert not any(seen["alive"])  # close() stopped every process it started, the second payments too
+    assert not [name for name in seen["left"] if name.startswith("LESSON07_")] and not os.path.exists(seen["folder"])
 
 
-def test_the_live_shop_says_which_service_stopped_instead_of_waiting_out_its_deadline(server: EmbeddedServer) -> None:
+def test_the_live_shop_says_which_process_stopped_instead_of_waiting_out_its_deadline(server: EmbeddedServer) -> None:
     async def body() -> str:
         nc = await nats.connect(server.url)
         shop = await pipeline.Shop.open(nc, nc.jetstream())
         try:
-            await shop._gateway.stop()  # the gateway is gone: payments' charge request has no responder
+            shop.gateway.proc.kill()  # the gateway is gone: payments' charge request has no responder
+            await asyncio.to_thread(shop.gateway.proc.wait)
             await shop.place([{"id": "o-9", "customer": "c-9", "cents": 900}])
             with pytest.raises(RuntimeError) as stopped:
-                await shop.settled(["o-9"])
+                await shop.settled(["o-9"], timeout=60)  # a RuntimeError, not a TimeoutError: nothing waited out
             return str(stopped.value)
         finally:
-            shop._gateway = None
             await shop.close()
             await nc.close()
 
     said = asyncio.run(body())
-    assert said.startswith("lesson07_payments stopped on lesson07.orders.placed: NoRespondersError")
+    assert said.startswith("the gateway process (pid ") and "stopped, exit code -9" in said
 
 
 def test_a_relay_resend_is_dropped_inside_the_duplicate_window_and_stored_twice_past_it(no_nats_url: None) -> None:

@@ -28,22 +28,29 @@ relay died) gets it stored twice, and only the consumer's dedup table can catch 
 `as_payments(resend.events, tag)` turns what the stream holds into lesson 03's payments, so its bench
 (msglab.demos.idempotency) and gateway replay the double charge; `double_charged(bench, payments)` counts it.
 
-`Shop` is the whole pipeline live in the notebook (checkout's outbox, the course's relay, payments against
-lesson 03's gateway, email, the status page; `stall()`/`release()` payments, `watch()` lag per consumer
-and DLQ depth as each order's event is stored, `trace()` one order's path); `close()` removes it all.
+`Shop` is the whole pipeline live: checkout (the notebook) writes the outbox; the course's relay (`python -m
+msglab.demos.pipeline relay`), payments, email and the status page (msglab.world.shop_services), lesson 03's
+gateway and module 04's email provider each run as a process of their own. `stall()`/`release()` stop
+payments' process and start a new one, `watch()` reads lag per consumer and DLQ depth as each order's event
+is stored, `settled()` waits for the page and the consumers, `trace()` rebuilds one order's path, `receipts()`
+reads the provider's records; `close()` stops every process and removes the streams and folders.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from msglab.demos.delivery_guarantees import write_handler
 from msglab.grading.harness import Child, Run
@@ -52,12 +59,20 @@ from msglab.grading.rules import plural
 from msglab.grading.sandbox import Sandbox
 from msglab.grading.scaffold import HeldSpawns, held
 from msglab.world.correlation import Hop as Hop  # re-exported: lesson 07 and its tests name them here
-from msglab.world.correlation import Trace, carry, trace
-from msglab.world.outbox import INSERT_ORDER, INSERT_OUTBOX, counts, event, open_store, order_ids, place_order
+from msglab.world.correlation import Trace, carry
+from msglab.world.correlation import trace as trace  # re-exported, as Hop
+from msglab.world.outbox import (
+    CORRELATION_ID,
+    INSERT_ORDER,
+    INSERT_OUTBOX,
+    counts,
+    event,
+    open_store,
+    order_ids,
+    place_order,
+)
 from msglab.world.relay import MSG_ID, Relay
-
-if TYPE_CHECKING:  # only named: every run imports this module to list the course's streams, and needs no web server
-    from msglab.world.status_page import StatusPage
+from msglab.world.shop_services import CARD_LIMIT, TEMPLATES, Service
 
 STREAM = "ORDERS"
 SUBJECT = "orders.placed"
@@ -479,23 +494,26 @@ async def default_duplicate_window(js: Any) -> float:
         await js.delete_stream(PROBE_STREAM)
 
 
-# --- the live pipeline: checkout, relay, payments, email and the status page in the notebook ------------
+# --- the live pipeline: checkout in the notebook, every other service a process of its own ------------------
 
-LIVE_STREAM = "LESSON07_ORDERS"  # lesson07.orders.>: placed, status.<id>, payments.dlq, email.sent.<id>
+LIVE_STREAM = "LESSON07_ORDERS"  # lesson07.orders.>: placed, status.<id>, payments.dlq, email.dlq
 PROBE_STREAM = "LESSON07_PROBE"  # a stream made only to read the server's default duplicate window
 STREAMS = (STREAM, LIVE_STREAM, PROBE_STREAM)
 DURABLES = ("lesson07_payments", "lesson07_email")
 LIVE = "lesson07.orders"
 GATEWAY = "lesson07.gateway"  # outside the stream's subjects: a charge request stored by the stream gets its PubAck
-CARD_LIMIT = 15_000  # cents: payments refuses a larger order for good (a permanent failure, dead-lettered)
-PROCESSED = "create table if not exists processed (order_id text primary key)"
+PROVIDER = "lesson07.provider"  # module 04's email provider
+DOMAIN = "example.com"  # receipts go to <customer>@example.com
+ACK_WAIT = 5.0  # seconds before a delivery nobody acked comes back
+POLL = 0.02  # seconds between two readings of the consumers while settled() waits on them (a poll of the server)
+SERVICES = ("relay", "payments", "email", "status", "gateway", "provider")
 
 
 def checkout(db: Any, order: dict[str, Any], prefix: str = LIVE) -> None:
     """Checkout's one transaction: the order, its `placed` event and its `pending` status, both in the outbox,
     both carrying a Correlation-Id it starts (the order id)."""
     headers = json.dumps(carry(start=order["id"]))
-    status = json.dumps({"id": order["id"], "status": "pending"}).encode()
+    status = json.dumps({"id": order["id"], "status": "pending", "customer": order["customer"]}).encode()
     with db:
         db.execute(INSERT_ORDER, order)
         for subject, payload in ((f"{prefix}.placed", event(order)), (f"{prefix}.status.{order['id']}", status)):
@@ -504,17 +522,22 @@ def checkout(db: Any, order: dict[str, Any], prefix: str = LIVE) -> None:
 
 @dataclass(frozen=True)
 class Lag:
-    """One reading of every consumer: when, each durable's (depth, queue age s, status), the DLQ's depth."""
+    """One reading of every consumer: when, each durable's (depth, queue age s, status), each DLQ's depth."""
 
     t: float
     consumers: dict[str, tuple[int, float, str]]
-    dlq: int
+    dlqs: dict[str, int]
+
+    @property
+    def dlq(self) -> int:
+        """Messages waiting in every DLQ (payments' and email's)."""
+        return sum(self.dlqs.values())
 
     def __repr__(self) -> str:
         cells = "  ".join(
             f"{name}: {d:>2} deep, {age:5.2f} s old, {st:<7}" for name, (d, age, st) in self.consumers.items()
         )
-        return f"{cells}  DLQ: {self.dlq}"
+        return f"{cells}  DLQ: " + ", ".join(f"{name} {n}" for name, n in self.dlqs.items())
 
 
 @dataclass(frozen=True)
@@ -538,63 +561,246 @@ def link(url: str) -> Link:
     return Link(url)
 
 
-class Shop:
-    """Lesson 07's pipeline, live in the notebook: checkout writes the outbox, the course's relay publishes it,
-    payments charges lesson 03's gateway (idempotency key and dedup table), email sends a receipt, and each
-    hop carries the order's Correlation-Id. Open the status page with `await shop.page()`."""
+@dataclass(frozen=True)
+class Shown:
+    """One change the status page pushed to its browsers: the order, its new status, when this kernel got it."""
 
-    def __init__(self, nc: Any, js: Any, folder: str) -> None:
-        self.nc, self.js, self.folder = nc, js, folder
-        self.path = os.path.join(folder, "shop.sqlite")
-        self.db = open_store(self.path)
-        self.db.execute(PROCESSED)
-        self.lags: list[Lag] = []
-        self.budget = 2.0  # seconds of queue age this shop promises (scaled down from minutes)
-        self._paying = asyncio.Event()
-        self._paying.set()
-        self.paid: set[str] = set()  # orders payments has acked (charged once, or dead-lettered)
-        self.failed = ""  # how a service of this shop stopped, if one did: settled() says so instead of timing out
-        self._acked = asyncio.Condition()
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._page: StatusPage | None = None
-        self._gateway: Any = None
-        self.gateway_subject = f"{GATEWAY}.charge"
+    order_id: str
+    status: str
+    ts: float
+
+
+class PageView:
+    """The status page (a process of its own) as a browser sees it: its URL, what it shows now, and every change
+    it pushed (server-sent events, GET /events), each stamped when this kernel received it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.orders: dict[str, str] = {}
+        self.changes: list[Shown] = []
+        self.closed = False
+        self._changed = asyncio.Condition()
+        self._session: Any = None
+        self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, nc: Any, js: Any) -> Shop:
-        """The stream, the shop's database, the gateway (lesson 03's, served here), the relay and the consumers."""
+    async def open(cls, url: str) -> PageView:
+        """Connect to the page's event stream; every change from now on is seen (the page sends its state first)."""
+        import aiohttp
+
+        view = cls(url)
+        view._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CALL_TIMEOUT))
+        try:
+            response = await view._session.get(url + "events")
+            response.raise_for_status()
+        except BaseException:
+            await view._session.close()
+            raise
+        view._task = asyncio.ensure_future(view._read(response))
+        return view
+
+    async def _read(self, response: Any) -> None:
+        data = ""
+        try:
+            async for raw in response.content:  # one line at a time
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith("data:"):
+                    data = line.removeprefix("data:").strip()
+                elif not line and data:  # an event ends with a blank line
+                    body, data = json.loads(data), ""
+                    async with self._changed:
+                        self.orders[str(body["id"])] = str(body["status"])
+                        self.changes.append(Shown(str(body["id"]), str(body["status"]), time.time()))
+                        self._changed.notify_all()
+        finally:
+            self.closed = True
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def __repr__(self) -> str:
+        return f"<status page {self.url}: {len(self.orders)} orders shown>"
+
+
+@dataclass(frozen=True)
+class Receipts:
+    """What module 04's email provider did for the shop's receipts, from its own records, and email's DLQ."""
+
+    sent: dict[str, str]  # order id -> template of the one receipt sent
+    refused: dict[int, int]  # status -> requests the provider refused with it (0: a dropped connection)
+    dead: list[str]  # orders whose receipt email dead-lettered
+    requests: int
+
+    def __repr__(self) -> str:
+        kinds = Counter(self.sent.values())
+        refused = ", ".join(f"{n} × {status}" for status, n in sorted(self.refused.items())) or "none"
+        return (
+            f"{len(self.sent)} receipts sent ({', '.join(f'{n} {t}' for t, n in sorted(kinds.items()))}) "
+            f"in {self.requests} requests; refused: {refused}; dead-lettered: {', '.join(self.dead) or 'none'}"
+        )
+
+
+def _url(nc: Any) -> str:
+    """The URL `nc` connected to (credentials included, as given): the shop's processes connect there too."""
+    connected = nc.connected_url
+    if connected is None:
+        raise RuntimeError("the connection is closed: connect first")
+    return str(connected.geturl())
+
+
+def _ready(name: str, proc: subprocess.Popen[bytes], timeout: float) -> Service:
+    """Wait for the process's `ready` line, as msglab.world.shop_services does for its own."""
+    import select
+
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if readable else b""
+    try:
+        ready = json.loads(line)
+    except ValueError:
+        ready = {}
+    if not isinstance(ready, dict) or ready.get("event") != "ready":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the {name} process did not start (it said {line!r})")
+    return Service(name, proc, ready)
+
+
+def start_relay(url: str, db_path: str, *, poll: float = 0.02, ready_timeout: float = CALL_TIMEOUT) -> Service:
+    """The course's relay (msglab.world.relay) on the shop's database, as a process of its own:
+    `python -m msglab.demos.pipeline relay`, its options on stdin (no URL, hence no credentials, on a command line)."""
+    from msglab.broker.server import die_with_parent
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "msglab.demos.pipeline", "relay"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({"url": url, "db_path": db_path, "poll": poll}).encode() + b"\n")
+    proc.stdin.close()
+    return _ready("relay", proc, ready_timeout)
+
+
+async def _relay(options: dict[str, Any]) -> None:
+    """The relay process's life: connect, say ready, publish the outbox for ever."""
+    import nats
+
+    from msglab.broker import tls_options
+
+    async def quiet(_: Exception) -> None:
+        """A server that restarts is reconnected to: nothing to print."""
+
+    url = str(options["url"])
+    nc = await nats.connect(
+        url, name="msglab-relay", max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet,
+        **tls_options(url),
+    )  # fmt: skip
+    relay = Relay(open_store(str(options["db_path"])), nc.jetstream(), poll=float(options.get("poll", 0.02)))
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    try:
+        await relay.run()
+    finally:
+        await nc.close()
+
+
+class Shop:
+    """Lesson 07's pipeline, live: checkout (in the notebook) writes the outbox; the course's relay, payments
+    (module 03's idempotent charge at the course's gateway), email (module 04's retries and DLQ through its email
+    provider), the status page, the gateway and the provider each run as a process of their own, and each hop
+    carries the order's Correlation-Id. `await shop.page()` is the page as a browser sees it."""
+
+    def __init__(self, nc: Any, js: Any, url: str, folder: str) -> None:
+        self.nc, self.js, self.url, self.folder = nc, js, url, folder
+        self.path = os.path.join(folder, "shop.sqlite")
+        self.db = open_store(self.path)
+        self.lags: list[Lag] = []
+        self.budget = 2.0  # seconds of queue age this shop promises (scaled down from minutes)
+        self.services: dict[str, Any] = {}  # name -> its running process (pid, alive, stop())
+        self.stalled = False
+        self._page: PageView | None = None
+
+    @property
+    def gateway(self) -> Any:
+        """The gateway process (msglab.world.gateway.Gateway): `.charges()`, `.requests()` read its store."""
+        return self.services["gateway"]
+
+    @property
+    def provider(self) -> Any:
+        """Module 04's email provider process (msglab.world.email_provider.Provider): `.outage()`, `.control()`,
+        `.sent()`, `.requests()`."""
+        return self.services["provider"]
+
+    @classmethod
+    async def open(cls, nc: Any, js: Any, url: str | None = None) -> Shop:
+        """The stream and its durables, the shop's database, then the six processes, started at once."""
         import tempfile
 
         from nats.js.api import AckPolicy, ConsumerConfig
 
         from msglab.broker import delete_streams
-        from msglab.world import gateway as gw
 
         await delete_streams(js, "LESSON07_")  # an interrupted run's leftovers
         await js.add_stream(name=LIVE_STREAM, subjects=[f"{LIVE}.>"], duplicate_window=DEFAULT_WINDOW)
-        shop = cls(nc, js, tempfile.mkdtemp(prefix="msglab-lesson07-"))
-        gw.open_store(os.path.join(shop.folder, "gateway.sqlite")).close()
-        shop._gateway = await gw.attach(nc, os.path.join(shop.folder, "gateway.sqlite"), prefix=GATEWAY)
-        for durable, subject in ((DURABLES[0], f"{LIVE}.placed"), (DURABLES[1], f"{LIVE}.status.*")):
+        for durable, subject, budget in ((DURABLES[0], f"{LIVE}.placed", None), (DURABLES[1], f"{LIVE}.status.*", 5)):
             config = ConsumerConfig(
-                durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=5
-            )
+                durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT,
+                max_deliver=budget,
+            )  # fmt: skip
             await js.add_consumer(LIVE_STREAM, config)
-        relay = Relay(open_store(shop.path), js)
-        shop._tasks = [
-            asyncio.ensure_future(relay.run(shop._stop)),
-            asyncio.ensure_future(shop._consume(DURABLES[0], f"{LIVE}.placed", shop._pay)),
-            asyncio.ensure_future(shop._consume(DURABLES[1], f"{LIVE}.status.*", shop._email)),
-        ]
+        shop = cls(nc, js, url or _url(nc), tempfile.mkdtemp(prefix="msglab-lesson07-"))
+        try:
+            starting = {name: asyncio.to_thread(shop._start, name) for name in SERVICES}
+            started = await asyncio.gather(*starting.values(), return_exceptions=True)
+            failed = [s for s in started if isinstance(s, BaseException)]
+            shop.services = {n: s for n, s in zip(starting, started, strict=True) if not isinstance(s, BaseException)}
+            if failed:
+                raise failed[0]
+            # Module 04's provider knows the confirmation template; the shop's other receipt is added, as a deploy does.
+            await shop.provider.control(nc, "template", name=TEMPLATES["failed"], known=True)
+            shop._page = await PageView.open(shop.services["status"].url)
+        except BaseException:
+            await shop.close()
+            raise
         return shop
 
-    async def page(self) -> StatusPage:
-        """Start the status page on the stream (from its start) and return it; `page.url` to open."""
-        from msglab.world.status_page import StatusPage
+    def _start(self, name: str) -> Any:
+        """Start one of the shop's processes (blocking until it serves: run it in a thread)."""
+        from msglab.world import email_provider, gateway, shop_services
 
+        if name == "relay":
+            return start_relay(self.url, self.path)
+        if name == "gateway":
+            return gateway.start(self.url, db_path=os.path.join(self.folder, "gateway.sqlite"), prefix=GATEWAY)
+        if name == "provider":
+            return email_provider.start(self.url, prefix=PROVIDER)
+        options: dict[str, dict[str, Any]] = {
+            "payments": {
+                "stream": LIVE_STREAM, "durable": DURABLES[0], "gateway": f"{GATEWAY}.charge",
+                "status": f"{LIVE}.status", "dlq": f"{LIVE}.payments.dlq", "key": "order", "card_limit": CARD_LIMIT,
+            },
+            "email": {
+                "stream": LIVE_STREAM, "durable": DURABLES[1], "provider": f"{PROVIDER}.send",
+                "dlq": f"{LIVE}.email.dlq", "domain": DOMAIN,
+            },
+            "status": {"subject": f"{LIVE}.status.>", "stream": LIVE_STREAM},
+        }  # fmt: skip
+        return shop_services.start(name, self.url, **options[name])
+
+    def __repr__(self) -> str:
+        names = {"status": "status page", "provider": "email provider"}
+        running = ", ".join(
+            f"{names.get(name, name)} {s.pid}" + ("" if s.alive else " (stopped)") for name, s in self.services.items()
+        )
+        return f"<Shop: processes {running}>"
+
+    async def page(self) -> PageView:
+        """The status page as a browser sees it (`page.url` to open it, `page.orders`, `page.changes`)."""
         if self._page is None:
-            self._page = await StatusPage.start(self.nc, subject=f"{LIVE}.status.>", stream=LIVE_STREAM)
+            self._page = await PageView.open(self.services["status"].url)
         return self._page
 
     async def place(self, orders: Sequence[dict[str, Any]]) -> list[str]:
@@ -603,60 +809,17 @@ class Shop:
             checkout(self.db, order)
         return [str(o["id"]) for o in orders]
 
-    async def _consume(self, durable: str, subject: str, handle: Callable[[Any], Any]) -> None:
-        sub = await self.js.pull_subscribe(subject, durable=durable, stream=LIVE_STREAM)
-        while not self._stop.is_set():
-            try:
-                msgs = await sub.fetch(10, timeout=0.5)
-            except TimeoutError:  # nats-py's fetch timeout is one
-                continue
-            for msg in msgs:
-                try:
-                    await handle(msg)
-                except Exception as exc:
-                    async with self._acked:
-                        self.failed = f"{durable} stopped on {msg.subject}: {exc!r}"
-                        self._acked.notify_all()
-                    raise
-
-    async def _pay(self, msg: Any) -> None:
-        """Payments: once per order (dedup table), the gateway told the order id as idempotency key."""
-        from msglab.world.gateway import charge
-
-        await self._paying.wait()  # stall(): payments stops taking work, the queue ages
-        order = json.loads(msg.data)
-        if self.db.execute("select 1 from processed where order_id = ?", (order["id"],)).fetchone():
-            return await msg.ack_sync()
-        if order["cents"] > CARD_LIMIT:  # a permanent failure: dead-letter it, tell the customer, never retry
-            await self.js.publish(f"{LIVE}.payments.dlq", msg.data, headers=carry(msg, Reason="over the card limit"))
-            status = "failed"
-        else:
-            await charge(self.nc, self.gateway_subject, order["customer"], order["cents"], reference=order["id"],
-                         idempotency_key=order["id"])  # fmt: skip
-            status = "confirmed"
-        body = json.dumps({"id": order["id"], "status": status}).encode()
-        await self.js.publish(f"{LIVE}.status.{order['id']}", body, headers=carry(msg))
-        with self.db:
-            self.db.execute("insert into processed (order_id) values (?) on conflict do nothing", (order["id"],))
-        await msg.ack_sync()
-        async with self._acked:
-            self.paid.add(str(order["id"]))
-            self._acked.notify_all()
-
-    async def _email(self, msg: Any) -> None:
-        """Email: a receipt for each confirmed order (its own hop, carrying the id)."""
-        body = json.loads(msg.data)
-        if body.get("status") == "confirmed":
-            await self.js.publish(f"{LIVE}.email.sent.{body['id']}", msg.data, headers=carry(msg))
-        await msg.ack_sync()
-
     def stall(self) -> None:
-        """Payments stops taking orders (a slow gateway, a stuck deploy): its queue ages."""
-        self._paying.clear()
+        """Payments stops taking orders (a stuck deploy): its process is stopped, and orders wait in its durable."""
+        if not self.stalled:
+            self.services["payments"].stop()
+            self.stalled = True
 
     def release(self) -> None:
-        """Payments takes orders again."""
-        self._paying.set()
+        """A new payments process takes the orders that waited."""
+        if self.stalled:
+            self.services["payments"] = self._start("payments")
+            self.stalled = False
 
     async def lag(self) -> Lag:
         """Read every consumer's depth and queue age now, and its status over the readings so far (lesson 05's
@@ -669,25 +832,30 @@ class Shop:
             name = durable.removeprefix("lesson07_")
             history = [(x.t, x.consumers[name][1]) for x in self.lags[-5:]] + [(now, age)]
             seen[name] = (depth, age, status(history, self.budget))
-        lag = Lag(now, seen, await self.dlq_depth())
+        lag = Lag(now, seen, await self.dlqs())
         self.lags.append(lag)
         return lag
 
+    async def dlqs(self) -> dict[str, int]:
+        """Messages waiting in each DLQ: payments' (orders it refused for good), email's (receipts never sent)."""
+        info = await self.js.stream_info(LIVE_STREAM, subjects_filter=f"{LIVE}.*.dlq")
+        held = info.state.subjects or {}
+        return {name: int(held.get(f"{LIVE}.{name}.dlq", 0)) for name in ("payments", "email")}
+
     async def dlq_depth(self) -> int:
-        """Messages waiting in the payments DLQ."""
-        info = await self.js.stream_info(LIVE_STREAM, subjects_filter=f"{LIVE}.payments.dlq")
-        return int(sum((info.state.subjects or {}).values()))
+        """Messages waiting in both DLQs."""
+        return sum((await self.dlqs()).values())
 
     async def watch(self, orders: Sequence[dict[str, Any]]) -> list[Lag]:
         """Place the orders one by one; once the stream has stored each order's event, print a reading."""
+        from msglab.broker import settle_subscriptions
+
         stored_now: asyncio.Queue[str] = asyncio.Queue()
 
         async def on_placed(msg: Any) -> None:
             stored_now.put_nowait(json.loads(msg.data)["id"])
 
         sub = await self.nc.subscribe(f"{LIVE}.placed", cb=on_placed)
-        from msglab.broker import settle_subscriptions
-
         await settle_subscriptions(self.nc)
         readings = []
         try:
@@ -716,32 +884,111 @@ class Shop:
             return None
         return str(json.loads(msg.data)["id"])
 
+    def _stopped(self) -> list[str]:
+        """The shop's processes that ended without being told to (a stalled payments was told)."""
+        return [
+            f"the {name} process (pid {s.pid}) stopped, exit code {s.proc.returncode}"
+            for name, s in self.services.items()
+            if not s.alive and not (name == "payments" and self.stalled)
+        ]
+
+    async def _busy(self) -> dict[str, int]:
+        """Each durable's depth (events not yet acked or dead-lettered), read from the server."""
+        depth = {}
+        for durable in DURABLES:
+            info = await self.js.consumer_info(LIVE_STREAM, durable)
+            depth[durable.removeprefix("lesson07_")] = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        return depth
+
     async def settled(self, ids: Sequence[str], timeout: float = CALL_TIMEOUT) -> dict[str, str]:
-        """Wait until payments has acked each order and the page shows its final status; return what it shows."""
+        """Wait until the page shows each order's final status and payments and email have finished every event
+        stored (acked, or dead-lettered); return what the page shows. A process of the shop that stopped on its
+        own is named at once, rather than waited out."""
+        from msglab.world.status_page import FINAL
+
         page = await self.page()
-        async with self._acked:
-            await asyncio.wait_for(self._acked.wait_for(lambda: self.failed or self.paid.issuperset(ids)), timeout)
-        if self.failed:
-            raise RuntimeError(self.failed)
-        for oid in ids:
-            await page.final(oid, timeout)
-        return {oid: page.orders[oid] for oid in ids}
+        if self.stalled:
+            raise RuntimeError("payments is stalled: release() it first")
+        busy: dict[str, int] = {}
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    if stopped := self._stopped():
+                        raise RuntimeError("; ".join(stopped))
+                    if all(page.orders.get(oid) in FINAL for oid in ids):
+                        busy = await self._busy()
+                        if not any(busy.values()):
+                            return {oid: page.orders[oid] for oid in ids}
+                    await asyncio.sleep(POLL)  # a poll of the page's pushes and the server, bounded
+        except TimeoutError:
+            waiting = {oid: page.orders.get(oid, "not shown") for oid in ids if page.orders.get(oid) not in FINAL}
+            raise TimeoutError(f"not settled within {timeout:g} s: the page shows {waiting or 'all final'}; "
+                               f"events not yet acked: {busy or 'not read'}") from None  # fmt: skip
+
+    async def receipts(self) -> Receipts:
+        """The receipts module 04's provider sent and refused (its own records) and those email dead-lettered."""
+        from nats.js.errors import NotFoundError
+
+        sent = {str(e.order_id): e.template for e in await asyncio.to_thread(self.provider.sent)}
+        asked = await asyncio.to_thread(self.provider.requests)
+        refused = Counter(r.status for r in asked if r.status != 200)
+        dead, seq = [], 1
+        while True:
+            try:
+                msg = await self.js.get_msg(LIVE_STREAM, seq, subject=f"{LIVE}.email.dlq", next=True)
+            except NotFoundError:
+                break
+            dead.append(str(json.loads(msg.data)["id"]))
+            seq = int(msg.seq or seq) + 1
+        return Receipts(sent, dict(refused), dead, len(asked))
 
     async def trace(self, order_id: str) -> Trace:
-        """One order's path through every hop, by its Correlation-Id."""
-        return await trace(self.js, order_id, [LIVE_STREAM], self._page)
+        """One order's path by its Correlation-Id (the order id, as checkout starts it): every event the stream
+        stored with it (stamped by the server; who published it, read from its Nats-Msg-Id), each change the page
+        pushed for the order, and each request for its receipt that the email provider recorded (an outside API:
+        it never sees our headers, so its records are found by the order id the receipt names)."""
+        hops = []
+        info = await self.js.stream_info(LIVE_STREAM)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await self.js.get_msg(LIVE_STREAM, seq)
+            if (msg.headers or {}).get(CORRELATION_ID) != order_id:
+                continue
+            what = str(msg.subject).removeprefix(f"{LIVE}.")
+            if what.startswith("status."):
+                what = f"status {json.loads(msg.data or b'{}').get('status')}"
+            msg_id = (msg.headers or {}).get(MSG_ID, "")
+            by = "relay" if msg_id.isdigit() else "email" if what == "email.dlq" else "payments"
+            hops.append(Hop(msg.time.timestamp(), f"{by}, {LIVE_STREAM} #{seq}", what))
+        if self._page is not None:
+            shown = [c for c in self._page.changes if c.order_id == order_id]
+            hops += [Hop(c.ts, "status page", f"shown {c.status}") for c in shown]
+        for r in await asyncio.to_thread(self.provider.requests, order_id):
+            what = f"receipt sent ({r.template})" if r.status == 200 else f"receipt refused: {r.status}"
+            hops.append(Hop(r.ts, "email provider", what))
+        return Trace(order_id, sorted(hops, key=lambda hop: hop.ts))
 
     async def close(self) -> None:
-        """Stop the services and the page, delete the stream, remove the databases."""
+        """Stop every process the shop started and the page's reader, delete the stream, remove the databases."""
         from msglab.broker import delete_streams
 
-        self._stop.set()
-        self._paying.set()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._page is not None:
-            await self._page.stop()
-        if self._gateway is not None:
-            await self._gateway.stop()
+            await self._page.close()
+        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in self.services.values()))
         self.db.close()
         await delete_streams(self.js, "LESSON07_")
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m msglab.demos.pipeline relay`: the shop's relay, its options as one JSON line on stdin."""
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["relay"]:
+        sys.exit("usage: python -m msglab.demos.pipeline relay < options.json")
+    options = json.loads(sys.stdin.readline())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        asyncio.run(_relay(options))
+
+
+if __name__ == "__main__":
+    main()
