@@ -231,3 +231,17 @@ def test_a_receipt_that_can_never_be_sent_is_dead_lettered_with_its_correlation_
         assert not w.provider.sent()
 
     _run(server, tmp_path, body)
+
+
+def test_a_page_started_after_the_statuses_shows_them_read_back_from_the_stream(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    async def body(w: World) -> None:
+        await _status(w, "o-4", "pending", "c-4")
+        await _status(w, "o-4", "confirmed", "c-4")
+        await _status(w, "o-5", "failed", "c-5")
+        await _status(w, "o-5", "pending", "c-5")  # late: a final status is never set back
+        page = await w.start("status")
+        assert page.orders() == {"o-4": "confirmed", "o-5": "failed"}  # read back before it said ready
+
+    _run(server, tmp_path, body)

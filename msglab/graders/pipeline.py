@@ -1,25 +1,32 @@
 """Lab 07's grader: the order pipeline end to end (labs/07_pipeline).
 
 The learner writes checkout's outbox write (`checkout`), the relay (`relay`) and the carrying of the
-correlation id from the order into the event's headers. The rest of the pipeline is the course's, run
-by the grader: payments (a consumer that charges module 03's gateway, `msglab.world.gateway`, one
-charge per stored event, keyed by its stream sequence, so a redelivery is replayed but an event stored
-twice is charged twice) and the status view (`msglab.world.status_page`'s model, fed by the payments
-service's status events with the Correlation-Id carried from the event).
+correlation id from the order into the event's headers. The rest of the pipeline is the course's, each
+service a process of its own (msglab.world.shop_services): payments (charges module 03's gateway once per
+stored event, keyed by its stream sequence, so a redelivery is replayed but an event stored twice is
+charged twice; an order over the card limit is never charged: dead-lettered and `failed`), email (a
+receipt per final status through module 04's email provider, retried by growing naks, dead-lettered when
+it can never go out) and the status page (`msglab.world.status_page`, read back from the statuses'
+stream after a reconnect). The gateway and the provider answer on the grader's connection (two processes
+fewer per verdict), their stores in a 0700 folder of the grader's; no service gets a URL (credentials) on
+its command line.
 
-Workload (seeded): orders go through checkout one at a time; a checkout process is SIGKILLed before its
-first write to a second table of one order (between its two writes), another right after one order's
-commit, before checkout returns (the next order goes to a fresh process); once the stream stored the
-k-th row, the first relay is SIGKILLed on its next write to `positions` if its saved position lags
-behind the stream (after the ack, before the save), or else, the stream refusing publishes, on its
-next publish (after a save, before the ack); it is kept down until a probe in a stream of its own with
-the same duplicate window is forgotten; more orders arrive meanwhile; a second relay takes over; the
-payments service stops once after a charge before its ack (the event is delivered again); more orders
-while the stream refuses publishes, and the server restarts once the relay has tried one; then
-everything must drain. Writes are told by SQLite itself (an authorizer on the connection
-`env.open_store()` gives; no other SQLite connection in the learner's processes). Judged on the
-grader's own records: the shop's database (read-only), what the stream stored, the gateway's charges,
-what the page shows.
+Workload (seeded): payments, email and the page start together; the email provider is down from the first
+receipt for EMAIL_OUTAGE s; one of orders 1, 5-9 is over the card limit. Orders go through checkout one at
+a time; a checkout process is SIGKILLed before its first write to a second table of one order (between its
+two writes), another right after one order's commit, before checkout returns (the next order goes to a
+fresh process); once the stream stored the k-th row, the first relay is SIGKILLed on its next write to
+`positions` if its saved position lags behind the stream (after the ack, before the save), or else, the
+stream refusing publishes, on its next publish (after a save, before the ack); it is kept down until a
+probe in a stream of its own with the same duplicate window is forgotten; more orders arrive meanwhile; a
+second relay takes over. The first payments process, after charging its 2nd-4th delivery, says so on a
+core subject and waits, holding it unacked: the grader SIGKILLs it there and starts a fresh one (the event
+is delivered again and the gateway replays the charge). More orders while the stream refuses publishes,
+and the server restarts once the relay has tried one; then everything must drain. Writes are told by
+SQLite itself (an authorizer on the connection `env.open_store()` gives; no other SQLite connection in the
+learner's processes). Judged on the grader's own records: the shop's database (read-only), what the
+streams stored (events, statuses, dead letters), the gateway's charges, the provider's sent mail, and the
+page's GET /orders at the end.
 """
 
 from __future__ import annotations
@@ -518,7 +525,8 @@ async def grade(run: Run) -> list[Check]:
     await _provision_services(run.js, run.names)
     pipe.kill_payments_at = rng(run.seed, "payments kill").randint(2, 4)
     pipe.payments_killed = rules.Planned(
-        f"SIGKILL the payments process after its charge of delivery #{pipe.kill_payments_at}, before its ack",
+        f"SIGKILL the payments process after its charge of delivery #{pipe.kill_payments_at} (or the first it "
+        "charges after it), before its ack",
         "the relay must publish every committed order",
     )
     run.planned.append(pipe.payments_killed)

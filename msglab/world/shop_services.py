@@ -20,8 +20,9 @@ A gateway that does not answer, or a key still in use (409), is naked: the event
 JSON {"id", "status", "customer"} on `<status>.<order id>`, published to JetStream (a stream must store
 them: email reads them there), each with Nats-Msg-Id `status-<order or seq>-<status>`. Every status and
 dead letter carries the event's Correlation-Id. `hold_after=k` with `announce=<subject>`: after charging
-its k-th delivery the process publishes {"pid", "delivery", "seq", "order", "num_delivered"} on
-`announce` (core NATS) and waits, never acking: a grader or a lesson SIGKILLs it there.
+its k-th delivery (or, that one not charged, the first it charges after it) the process publishes
+{"pid", "delivery", "seq", "order", "num_delivered"} on `announce` (core NATS) and waits, never acking:
+a grader or a lesson SIGKILLs it there.
 
 email: pulls status events from `durable` on `stream`; for a final one (confirmed, failed) it sends a
 receipt through module 04's email provider (msglab.world.email_provider; `templates` per status, to
@@ -237,7 +238,7 @@ async def payments(
             except Exception:  # no answer (a timeout, a server restarting): it may come, so keep the event
                 await msg.nak(delay=RETRY)
                 return
-            if delivered == hold_after and announce:
+            if hold_after and delivered >= hold_after and announce:  # k-th delivery, or the first charged after
                 said = {"pid": os.getpid(), "delivery": delivered, "seq": seq, "order": order_id}
                 said["num_delivered"] = int(msg.metadata.num_delivered)
                 await nc.publish(announce, json.dumps(said).encode())
