@@ -179,6 +179,29 @@ def test_the_live_shop_runs_each_service_as_a_process_and_takes_each_order_to_a_
     assert not [name for name in seen["left"] if name.startswith("LESSON07_")] and not os.path.exists(seen["folder"])
 
 
+def test_a_payments_process_sigkilled_between_charge_and_ack_leaves_the_order_charged_once(
+    server: EmbeddedServer,
+) -> None:
+    """The real payments service, held after its charge and SIGKILLed there: the redelivery goes to a new process,
+    which asks the gateway again with the same key and gets the first charge back; the trace shows both requests."""
+
+    async def body() -> tuple[pipeline.Crash, list[str], bool, int]:
+        nc = await nats.connect(server.url)
+        shop = await pipeline.Shop.open(nc, nc.jetstream())
+        try:
+            crash = await shop.crash_payments({"id": "o-7", "customer": "c-7", "cents": 700})
+            path = [hop.what for hop in (await shop.trace("o-7")).hops]
+            return crash, path, shop.services["payments"].pid != crash.pid, len(shop.gateway.charges())
+        finally:
+            await shop.close()
+            await nc.close()
+
+    crash, path, replaced, charges = asyncio.run(body())
+    assert (crash.charged_before_kill, crash.requests, crash.charges, crash.replayed) == (1, 2, 1, 1)
+    assert crash.status == "confirmed" and replaced and charges == 1
+    assert path.index("charged") < path.index("charge replayed") < path.index("status confirmed")
+
+
 def test_the_live_shop_says_which_process_stopped_instead_of_waiting_out_its_deadline(server: EmbeddedServer) -> None:
     async def body() -> str:
         nc = await nats.connect(server.url)

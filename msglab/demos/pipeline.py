@@ -504,7 +504,8 @@ LIVE = "lesson07.orders"
 GATEWAY = "lesson07.gateway"  # outside the stream's subjects: a charge request stored by the stream gets its PubAck
 PROVIDER = "lesson07.provider"  # module 04's email provider
 DOMAIN = "example.com"  # receipts go to <customer>@example.com
-ACK_WAIT = 5.0  # seconds before a delivery nobody acked comes back
+ACK_WAIT = 1.0  # seconds before a delivery nobody acked comes back (scaled down: production waits 30 s or more)
+HELD = "lesson07.held"  # where a payments process that holds after a charge says so (core NATS, not stored)
 POLL = 0.02  # seconds between two readings of the consumers while settled() waits on them (a poll of the server)
 SERVICES = ("relay", "payments", "email", "status", "gateway", "provider")
 
@@ -707,6 +708,28 @@ async def _relay(options: dict[str, Any]) -> None:
         await nc.close()
 
 
+@dataclass(frozen=True)
+class Crash:
+    """A payments process SIGKILLed after the gateway charged an order and before it acked the order's event,
+    and what the gateway recorded once a new payments process took the redelivery."""
+
+    order_id: str
+    pid: int  # the payments process SIGKILLed
+    charged_before_kill: int  # charges for the order when it died
+    requests: int  # charge requests for the order the gateway received
+    charges: int  # charges the gateway made for it
+    replayed: int  # requests answered with the first charge (the same idempotency key)
+    status: str  # what the page shows for the order at the end
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.order_id}: payments (pid {self.pid}) SIGKILLed after {plural(self.charged_before_kill, 'charge')}, "
+            f"before its ack; a new payments process took the redelivery. The gateway: "
+            f"{plural(self.requests, 'charge request')}, {plural(self.charges, 'charge')}, {self.replayed} replayed; "
+            f"the page shows {self.status}"
+        )
+
+
 class Shop:
     """Lesson 07's pipeline, live: checkout (in the notebook) writes the outbox; the course's relay, payments
     (module 03's idempotent charge at the course's gateway), email (module 04's retries and DLQ through its email
@@ -767,7 +790,7 @@ class Shop:
             raise
         return shop
 
-    def _start(self, name: str) -> Any:
+    def _start(self, name: str, **extra: Any) -> Any:
         """Start one of the shop's processes (blocking until it serves: run it in a thread)."""
         from msglab.world import email_provider, gateway, shop_services
 
@@ -788,7 +811,7 @@ class Shop:
             },
             "status": {"subject": f"{LIVE}.status.>", "stream": LIVE_STREAM},
         }  # fmt: skip
-        return shop_services.start(name, self.url, **options[name])
+        return shop_services.start(name, self.url, **options[name], **extra)
 
     def __repr__(self) -> str:
         names = {"status": "status page", "provider": "email provider"}
@@ -820,6 +843,38 @@ class Shop:
         if self.stalled:
             self.services["payments"] = self._start("payments")
             self.stalled = False
+
+    async def crash_payments(self, order: dict[str, Any]) -> Crash:
+        """Replace payments by a process that holds after its first charge, place `order`, SIGKILL that process
+        once it has charged the order and not acked it, start a new payments process, and wait until the order
+        settles; counted from the gateway's own records."""
+        from msglab.broker import settle_subscriptions
+
+        said: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def on_held(msg: Any) -> None:
+            said.put_nowait(json.loads(msg.data))
+
+        sub = await self.nc.subscribe(HELD, cb=on_held)
+        await settle_subscriptions(self.nc)
+        try:
+            await asyncio.to_thread(self.stall)  # the running payments is idle: stopped, nothing of its lost
+            held = await asyncio.to_thread(self._start, "payments", hold_after=1, announce=HELD)
+            self.services["payments"], self.stalled = held, False
+            await self.place([order])
+            holding = await asyncio.wait_for(said.get(), CALL_TIMEOUT)  # charged, not acked: it waits there
+            before = len(await asyncio.to_thread(self.gateway.charges, order["id"]))
+            await asyncio.to_thread(held.kill)
+            self.services["payments"] = await asyncio.to_thread(self._start, "payments")
+            final = await self.settled([order["id"]])  # the redelivery comes after the ack wait
+        finally:
+            await sub.unsubscribe()
+        asked = [r for r in await asyncio.to_thread(self.gateway.requests) if r.reference == order["id"]]
+        charges = await asyncio.to_thread(self.gateway.charges, order["id"])
+        replayed = sum(r.replayed for r in asked)
+        return Crash(
+            str(order["id"]), int(holding["pid"]), before, len(asked), len(charges), replayed, final[order["id"]]
+        )
 
     async def lag(self) -> Lag:
         """Read every consumer's depth and queue age now, and its status over the readings so far (lesson 05's
@@ -945,8 +1000,9 @@ class Shop:
     async def trace(self, order_id: str) -> Trace:
         """One order's path by its Correlation-Id (the order id, as checkout starts it): every event the stream
         stored with it (stamped by the server; who published it, read from its Nats-Msg-Id), each change the page
-        pushed for the order, and each request for its receipt that the email provider recorded (an outside API:
-        it never sees our headers, so its records are found by the order id the receipt names)."""
+        pushed for the order, each charge request the gateway recorded and each request for its receipt that the
+        email provider recorded (outside APIs: they never see our headers, so their records are found by the order
+        id the request names)."""
         hops = []
         info = await self.js.stream_info(LIVE_STREAM)
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
@@ -962,6 +1018,12 @@ class Shop:
         if self._page is not None:
             shown = [c for c in self._page.changes if c.order_id == order_id]
             hops += [Hop(c.ts, "status page", f"shown {c.status}") for c in shown]
+        for g in await asyncio.to_thread(self.gateway.requests):  # the gateway's records name the order (reference)
+            if g.reference == order_id:
+                what = (
+                    "charge replayed" if g.replayed else "charged" if g.outcome == "charged" else f"charge: {g.outcome}"
+                )
+                hops.append(Hop(g.ts, "gateway", what))
         for r in await asyncio.to_thread(self.provider.requests, order_id):
             what = f"receipt sent ({r.template})" if r.status == 200 else f"receipt refused: {r.status}"
             hops.append(Hop(r.ts, "email provider", what))
