@@ -197,7 +197,8 @@ def test_a_payments_process_sigkilled_between_charge_and_ack_leaves_the_order_ch
             await nc.close()
 
     crash, path, replaced, charges = asyncio.run(body())
-    assert (crash.charged_before_kill, crash.requests, crash.charges, crash.replayed) == (1, 2, 1, 1)
+    assert (crash.charged_before_kill, crash.charges) == (1, 1)  # charged before the kill, never again
+    assert crash.requests >= 2 and crash.replayed == crash.requests - 1  # each redelivery got the first charge back
     assert crash.status == "confirmed" and replaced and charges == 1
     assert path.index("charged") < path.index("charge replayed") < path.index("status confirmed")
 

@@ -504,7 +504,9 @@ LIVE = "lesson07.orders"
 GATEWAY = "lesson07.gateway"  # outside the stream's subjects: a charge request stored by the stream gets its PubAck
 PROVIDER = "lesson07.provider"  # module 04's email provider
 DOMAIN = "example.com"  # receipts go to <customer>@example.com
-ACK_WAIT = 1.0  # seconds before a delivery nobody acked comes back (scaled down: production waits 30 s or more)
+# Seconds before a delivery nobody acked comes back (scaled down: production waits 30 s or more). Payments' is
+# short, so a SIGKILLed payments' order comes back within the lesson's second; email's leaves a slow send room.
+ACK_WAIT = {"payments": 1.0, "email": 5.0}
 HELD = "lesson07.held"  # where a payments process that holds after a charge says so (core NATS, not stored)
 POLL = 0.02  # seconds between two readings of the consumers while settled() waits on them (a poll of the server)
 SERVICES = ("relay", "payments", "email", "status", "gateway", "provider")
@@ -769,8 +771,9 @@ class Shop:
         await delete_streams(js, "LESSON07_")  # an interrupted run's leftovers
         await js.add_stream(name=LIVE_STREAM, subjects=[f"{LIVE}.>"], duplicate_window=DEFAULT_WINDOW)
         for durable, subject, budget in ((DURABLES[0], f"{LIVE}.placed", None), (DURABLES[1], f"{LIVE}.status.*", 5)):
+            wait = ACK_WAIT[durable.removeprefix("lesson07_")]
             config = ConsumerConfig(
-                durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT,
+                durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=wait,
                 max_deliver=budget,
             )  # fmt: skip
             await js.add_consumer(LIVE_STREAM, config)
