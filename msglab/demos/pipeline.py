@@ -31,9 +31,11 @@ relay died) gets it stored twice, and only the consumer's dedup table can catch 
 `Shop` is the whole pipeline live: checkout (the notebook) writes the outbox; the course's relay (`python -m
 msglab.demos.pipeline relay`), payments, email and the status page (msglab.world.shop_services), lesson 03's
 gateway and module 04's email provider each run as a process of their own. `stall()`/`release()` stop
-payments' process and start a new one, `watch()` reads lag per consumer and DLQ depth as each order's event
-is stored, `settled()` waits for the page and the consumers, `trace()` rebuilds one order's path, `receipts()`
-reads the provider's records; `close()` stops every process and removes the streams and folders.
+payments' process and start a new one, `crash_payments(order)` SIGKILLs payments between a charge and its ack,
+`watch()` reads lag per consumer and DLQ depth as each order's event is stored, `settled()` waits for the page
+and the consumers, `trace()` rebuilds one order's path (the stream, the page's pushes, the gateway's and the
+provider's records), `receipts()` reads the provider's; `close()` stops every process and removes the streams
+and folders.
 """
 
 from __future__ import annotations
@@ -581,8 +583,6 @@ class PageView:
         self.url = url
         self.orders: dict[str, str] = {}
         self.changes: list[Shown] = []
-        self.closed = False
-        self._changed = asyncio.Condition()
         self._session: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -603,6 +603,8 @@ class PageView:
         return view
 
     async def _read(self, response: Any) -> None:
+        import aiohttp
+
         data = ""
         try:
             async for raw in response.content:  # one line at a time
@@ -611,12 +613,10 @@ class PageView:
                     data = line.removeprefix("data:").strip()
                 elif not line and data:  # an event ends with a blank line
                     body, data = json.loads(data), ""
-                    async with self._changed:
-                        self.orders[str(body["id"])] = str(body["status"])
-                        self.changes.append(Shown(str(body["id"]), str(body["status"]), time.time()))
-                        self._changed.notify_all()
-        finally:
-            self.closed = True
+                    self.orders[str(body["id"])] = str(body["status"])
+                    self.changes.append(Shown(str(body["id"]), str(body["status"]), time.time()))
+        except (TimeoutError, ConnectionError, ValueError, aiohttp.ClientError):
+            return  # the page went away (or sent what is not an event): what it showed so far stays
 
     async def close(self) -> None:
         if self._task is not None:
