@@ -57,6 +57,7 @@ BACKOFF = (0.1, 0.2, 0.4, 0.8)  # seconds before retry 1, 2, 3, 4 (production: 1
 MAX_DELIVER = 5
 FETCH_TIMEOUT = 0.3  # seconds a fetch waits (scaled down: production long-polls 5-30 s)
 RETRY = 0.1  # seconds before a failed fetch or publish is tried again (a pace, not a wait for a condition)
+CONNECT_TRIES = 100  # a first connection is tried this many times, RETRY apart (a server restart takes ~1 s)
 
 
 class Service:
@@ -172,7 +173,7 @@ async def _pull(js: Any, stream: str, durable: str, handle: Any) -> None:
         try:
             if sub is None:
                 sub = await js.pull_subscribe_bind(durable, stream=stream)
-            msgs = await sub.fetch(10, timeout=FETCH_TIMEOUT)
+            msgs = await sub.fetch(1, timeout=FETCH_TIMEOUT)  # one at a time: none waits out its ack_wait unhandled
         except TimeoutError:  # nothing to do yet: ask again
             continue
         except Exception:  # the server restarting: ask again shortly
@@ -365,10 +366,17 @@ async def _serve(service: str, options: dict[str, Any]) -> None:
             running.add(task)
             task.add_done_callback(running.discard)
 
-    nc = await nats.connect(
-        url, name=f"msglab-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet,
-        reconnected_cb=on_reconnect, **tls_options(url),
-    )  # fmt: skip
+    for attempt in range(CONNECT_TRIES):  # a server restarting as the service starts is waited for, not fatal
+        try:
+            nc = await nats.connect(
+                url, name=f"msglab-{service}", max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet,
+                reconnected_cb=on_reconnect, **tls_options(url),
+            )  # fmt: skip
+            break
+        except Exception:
+            if attempt == CONNECT_TRIES - 1:
+                raise
+            await asyncio.sleep(RETRY)
     js = nc.jetstream()
     ready: dict[str, Any] = {"event": "ready", "pid": os.getpid()}
     try:
