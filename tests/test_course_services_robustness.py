@@ -92,3 +92,17 @@ def test_the_email_provider_answers_garbage_with_errors_and_never_raises(
     provider = ep.ProviderView(str(tmp_path / "provider.sqlite"), "p")
     # Every request that was waited for is in the store; none of the ones nobody waited for is.
     assert len(provider.requests()) == len(GARBAGE) + 1
+
+
+def test_a_service_process_is_told_its_server_on_stdin_so_no_password_shows_in_its_command_line(
+    server: EmbeddedServer,
+) -> None:
+    # A classroom URL carries the learner's password, and any user of the machine may read a command line.
+    gateway, provider = gw.start(server.url), ep.start(server.url)
+    try:
+        for proc in (gateway, provider):
+            argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+            assert proc.alive and not any(b"nats://" in arg or b"tls://" in arg for arg in argv), argv
+    finally:
+        gateway.stop(remove=True)
+        provider.stop()

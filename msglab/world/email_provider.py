@@ -453,12 +453,15 @@ def start(url: str | None = None, *, prefix: str = "provider", ready_timeout: fl
     folder = tempfile.mkdtemp(prefix="msglab-provider-")
     db_path = os.path.join(folder, "provider.sqlite")
     open_sqlite(db_path, SCHEMA).close()
-    args = [sys.executable, "-m", "msglab.world.email_provider", "--url", url, "--db", db_path, "--prefix", prefix]
+    args = [sys.executable, "-m", "msglab.world.email_provider", "--db", db_path, "--prefix", prefix]
     proc = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )  # fmt: skip
-    assert proc.stdout is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    # On stdin, not the command line: a room's URL carries a learner's password, and any user may read argv.
+    proc.stdin.write(url.encode() + b"\n")
+    proc.stdin.close()
     readable, _, _ = select.select([proc.stdout], [], [], ready_timeout)
     line = proc.stdout.readline() if readable else b""
     if b"ready" not in line:
@@ -492,17 +495,18 @@ async def serve(url: str, db_path: str, prefix: str = "provider", ready: Any = N
 def main(argv: list[str] | None = None) -> None:
     """`python -m msglab.world.email_provider`: serve until SIGTERM, saying `ready` on stdout once subscribed."""
     parser = argparse.ArgumentParser(prog="python -m msglab.world.email_provider", description=__doc__)
-    parser.add_argument("--url", required=True, help="NATS server URL")
+    parser.add_argument("--url", help="NATS server URL (default: the first line of stdin)")
     parser.add_argument("--db", required=True, help="SQLite file for the provider's store")
     parser.add_argument("--prefix", default="provider", help="subjects <prefix>.send and <prefix>.control")
     args = parser.parse_args(argv)
+    url = args.url or sys.stdin.readline().strip()
 
     def ready() -> None:
         print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        asyncio.run(serve(args.url, args.db, args.prefix, ready))
+        asyncio.run(serve(url, args.db, args.prefix, ready))
 
 
 if __name__ == "__main__":

@@ -574,13 +574,16 @@ def start(
         own_folder = tempfile.mkdtemp(prefix="msglab-gateway-")
         db_path = os.path.join(own_folder, "gateway.sqlite")
     open_store(db_path).close()  # the schema exists before anyone reads the store
-    args = [sys.executable, "-m", "msglab.world.gateway", "--url", url, "--db", db_path]
+    args = [sys.executable, "-m", "msglab.world.gateway", "--db", db_path]
     args += ["--prefix", prefix, "--window", str(window), "--search-lag", str(search_lag), "--latency", str(latency)]
     proc = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )  # fmt: skip
-    assert proc.stdout is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    # On stdin, not the command line: a room's URL carries a learner's password, and any user may read argv.
+    proc.stdin.write(url.encode() + b"\n")
+    proc.stdin.close()
     readable, _, _ = select.select([proc.stdout], [], [], ready_timeout)
     line = proc.stdout.readline() if readable else b""
     if b"ready" not in line:
@@ -595,7 +598,7 @@ def start(
 def main(argv: list[str] | None = None) -> None:
     """`python -m msglab.world.gateway`: serve until SIGTERM, saying `ready` on stdout once subscribed."""
     parser = argparse.ArgumentParser(prog="python -m msglab.world.gateway", description="The course's payment gateway.")
-    parser.add_argument("--url", required=True, help="NATS server URL")
+    parser.add_argument("--url", help="NATS server URL (default: the first line of stdin)")
     parser.add_argument("--db", required=True, help="SQLite file for the gateway's store")
     parser.add_argument("--prefix", default="gateway", help="subjects <prefix>.charge, .search, .test_clock")
     parser.add_argument("--window", type=float, default=DEFAULT_WINDOW, help="seconds an idempotency key is kept")
@@ -604,6 +607,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--latency", type=float, default=0.0, help="seconds a charge is in flight (409 meanwhile)")
     args = parser.parse_args(argv)
+    url = args.url or sys.stdin.readline().strip()
 
     def ready() -> None:
         print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
@@ -611,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt, SystemExit):  # a stop is a normal end
         asyncio.run(
-            serve(args.url, args.db, args.prefix, args.window, ready, search_lag=args.search_lag, latency=args.latency)
+            serve(url, args.db, args.prefix, args.window, ready, search_lag=args.search_lag, latency=args.latency)
         )
 
 
