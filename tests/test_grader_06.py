@@ -235,3 +235,125 @@ def test_the_burst_waits_until_every_new_worker_asked_again_after_an_empty_fetch
     returned: Any = SimpleNamespace(alive=False, died=None, returned=True)
     slots[2].child = returned
     assert _idle_or_gone(watch, 9.0, slots)  # c's worker returned: it will not ask again
+
+
+def test_the_planned_stall_lands_on_the_straddling_order_whose_two_sides_sit_closest_in_the_stream() -> None:
+    from msglab.graders.partition_keys import _straddler
+
+    def e(key: str, seq: int) -> oe.Event:
+        return oe.Event(key, seq, "created", "c")
+
+    # cut at 5: o-1 spans indices 2 -> 6, o-2 4 -> 7, o-3 3 -> 5 (the closest), o-4 never straddles
+    orders = [e("o-1", 1), e("o-2", 1), e("o-1", 2), e("o-3", 1), e("o-2", 2)]
+    orders += [e("o-3", 2), e("o-1", 3), e("o-2", 3), e("o-4", 1)]
+    assert _straddler(orders, 5) == (orders[3], orders[5])
+    # The workload is seeded, so the stall is too: every grading of a seed stalls the same event.
+    seeded = oe.workload(7, orders=24, overlap=8)
+    cut = len(seeded) * 5 // 8
+    old, new = _straddler(seeded, cut)
+    assert old.key == new.key and seeded.index(old) < cut <= seeded.index(new)
+    assert _straddler(oe.workload(7, orders=24, overlap=8), cut) == (old, new)
+
+
+def test_a_deliverys_reply_subject_names_its_durable_and_stream_sequence() -> None:
+    from msglab.graders.partition_keys import _ack_tokens
+
+    assert _ack_tokens("$JS.ACK.SHOP.n2p0.1.17.9.1700000000000000000.3") == ("n2p0", 17)
+    assert _ack_tokens("$JS.ACK.hub.ACCHASH.SHOP.n2p0.2.17.9.1700000000000000000.3.tok") == ("n2p0", 17)
+    assert _ack_tokens("_INBOX_learner.w3.abc") == ("", 0)
+
+
+def test_a_hold_lasts_while_its_durable_hands_events_out_and_ends_once_it_has_nothing_more_to_hand_out(
+    monkeypatch: Any,
+) -> None:
+    from msglab.graders.partition_keys import Shop
+
+    monkeypatch.setattr(partition_keys, "QUIET", 0.1)
+
+    async def caught_up() -> None:
+        return None
+
+    watch: Any = SimpleNamespace(deliveries={}, caught_up=caught_up)
+    shop = Shop(SimpleNamespace(on=lambda *_: None), oe.Ledger(), watch, SimpleNamespace())  # type: ignore[arg-type]
+
+    def deliver(durable: str, n: int) -> None:
+        watch.deliveries[f"$JS.ACK.SHOP.{durable}.1.{n}.{n}.0.0"] = 0.0
+
+    async def scenario() -> tuple[int, int, bool]:
+        fed = 0
+
+        async def feed() -> None:  # the shared durable keeps handing events to other workers for a while
+            nonlocal fed
+            for n in range(1, 31):
+                deliver("all", n)
+                deliver("n2p1", 100 + n)  # another durable's traffic is no movement of this one's
+                fed = n
+                await asyncio.sleep(0.01)
+
+        feeder = asyncio.ensure_future(feed())
+        await shop.until_quiet({"all"}, lambda: False, lambda: 0.0)
+        at_release = fed
+        await feeder
+        ready = False
+        # Not ready (e.g. the replacement has not asked yet): no quiet counts, whatever the time; done() ends it.
+        waited = asyncio.ensure_future(shop.until_quiet({"all"}, lambda: ready, lambda: None))
+        await asyncio.sleep(0.3)
+        still = not waited.done()
+        ready = True
+        await waited
+        return at_release, fed, still
+
+    at_release, fed, still = asyncio.run(scenario())
+    assert at_release == fed == 30 and still
+
+
+def test_the_stall_holds_a_worker_only_where_another_running_worker_pulls_its_durable_until_the_race_is_run() -> None:
+    from msglab.graders.partition_keys import Shop, Stall
+    from msglab.grading.observe import Pull
+    from msglab.grading.rules import Planned
+
+    async def caught_up() -> None:
+        return None
+
+    async def no_info(*_: Any) -> Any:
+        raise LookupError("no such durable")  # the broker's ack_wait unknown: the stall reads it as 0 s
+
+    def worker(pid: int) -> Any:
+        return SimpleNamespace(pid=pid, role="worker", inbox=f"_INBOX_learner.w{pid}", alive=True, died=None,
+                               returned=False)  # fmt: skip
+
+    old, new = oe.Event("o-1", 2, "paid", "c"), oe.Event("o-1", 3, "shipped", "c")
+    a, b = worker(1), worker(2)
+    run: Any = SimpleNamespace(on=lambda *_: None, children=[a, b], js=SimpleNamespace(consumer_info=no_info),
+                               names=SimpleNamespace(stream=lambda name: name))  # fmt: skip
+    watch: Any = SimpleNamespace(
+        deliveries={}, caught_up=caught_up, pulls=[Pull(0.0, 1, 0.2, False, "_INBOX_learner.w1.x", "n2p0")]
+    )
+    shop = Shop(run, oe.Ledger([old, new]), watch, SimpleNamespace())  # type: ignore[arg-type]
+
+    async def own_durable() -> Stall:
+        stall = Stall(old, new, Planned("stall", "hint"))
+        await shop.stalled(a, stall)
+        return stall
+
+    stall = asyncio.run(own_durable())
+    assert stall.planned.fired and not stall.shared and stall.ended == stall.began
+
+    watch.pulls.append(Pull(0.0, 1, 0.2, False, "_INBOX_learner.w2.y", "n2p0"))  # b pulls a's durable too
+    shop.published[(new.key, new.seq)] = 0.0
+
+    async def shared_durable() -> tuple[Stall, bool]:
+        stall = Stall(old, new, Planned("stall", "hint"))
+        shop.stall = stall
+        held = asyncio.ensure_future(shop.stalled(a, stall))
+        for n in range(20):  # b takes the stalled event, and the durable keeps handing events out meanwhile
+            watch.deliveries[f"$JS.ACK.SHOP.n2p0.1.{n}.{n}.0.0"] = 0.0
+            await asyncio.sleep(0.01)
+        stall.taken_by = b.pid
+        still = not held.done()  # the order's next event has not been applied yet
+        shop.ledger.apply(new, "2")
+        await held
+        return stall, still
+
+    stall, still = asyncio.run(shared_durable())
+    assert stall.shared and stall.taken_by == b.pid and still

@@ -22,11 +22,7 @@ AT_ONCE = 4  # verdicts graded together, on top of the spinners
 QUICK_SHARE = 12  # a quick run grades one in this many of a lab's other files (about two) beside its solution
 # Wrong files whose failure a starved machine can hide, each with why, until their grader forces the race: their
 # verdict is still judged, but passing here is not counted against them (issue 17 item 4, test_reproducible).
-KNOWN_RACES = {
-    "06-late_reapply": "its mistake shows only if the killed worker's replacement applies the order's next event"
-    " before the batch comes back after ack_wait; a replacement starved past ack_wait gets the redelivery first"
-    " (passed once in a full suite's load, seed 11; failed 6 of 6 beside two busy loops)",
-}
+KNOWN_RACES: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,20 @@ Workload, in phases (seeded):
                     per partition; the first worker of partition 0 is killed right after env.apply
                     recorded its event #c (before its ack), the first of partition 1 on its env.apply
                     call #c' before the event is applied. A crashed or dead worker is replaced at
-                    once (HeldSpawns started ahead); one that returned stays gone;
+                    once (HeldSpawns started ahead); one that returned stays gone. What a killed worker
+                    held unacked is kept in progress on the broker (+WPI) until its replacement asked
+                    that durable and it delivered nothing for QUIET (Kept): whatever the durable hands
+                    out beyond those events, the replacement meets first, however slowly it started;
   rescale           once a third of the backlog is applied, the publishers switch to n=3 and publish
                     the rest (orders under way included); three new workers, started ahead, begin
                     right after the first chunk with n=3 (previous=2), the two old ones keep running;
-                    the old partitions' applies are slower for a seeded 1.5-2.5 s (HOLD);
+                    the old partitions' applies are slower for a seeded 1.5-2.5 s (HOLD). The worker
+                    that first applies the straddling order's last n=2 event (the one closest to its
+                    first n=3 event in the stream) is stalled in env.apply (Stall, a planned fault),
+                    if another running worker pulls its durable, until another worker took that
+                    event and the order's next event was applied, or no durable delivered anything
+                    for QUIET once its ack_wait passed: a durable every worker pulls hands both out on
+                    every run; a worker with a durable of its own goes on at once;
   poison            the old workers stopped and every new one met its empty partition (asked again, or
                     ended), a burst of new orders on n=3; one order's first event is refused by env.apply
                     (OrderRejected) until the back office resolves it, once every other event of the
@@ -87,6 +96,17 @@ IDLE_DEADLINE, LATE_DEADLINE = 4.0, 3.0
 # it fell to 1.35 for a correct file, since partitions cannot outrun the CPUs.
 SPREAD, PARALLEL = 1.6, 0.1
 MAX_WORKERS = 20
+# Two planned holds make races the broker would otherwise decide by the machine's speed follow from the plan:
+#   a killed worker's events that it had not acked are kept in progress on the broker (the grader sends +WPI on
+#   their deliveries every WPI_EVERY) until its replacement has asked its durable and that durable delivered
+#   nothing for QUIET: the replacement meets whatever the durable hands out beyond them first, however slowly it
+#   started (a starved one got the redelivery first, and a batch left in flight went unseen: 1 run in a full suite);
+#   the worker that first applies the straddling order's last n=2 event, if other workers pull its durable too, is
+#   stalled there until another worker took that event and the order's next (n=3) event was applied, or no durable
+#   delivered anything for QUIET once its ack_wait passed: a durable that other workers pull hands a stalled
+#   worker's event and key to them on every run, not only when a loaded machine makes an apply outlast ack_wait
+#   (1 pair in 8, 2 in 9 before).
+WPI_EVERY, QUIET = 0.1, 1.0
 LATE = Event("o-late", 1, "created", "c-01", 0)  # published after the idle gap (rule 2)
 TRACE_LINES = 14
 
@@ -99,6 +119,38 @@ def effect_key(event: Event) -> str:
 def _order_of(key: str | None) -> str:
     """The order id in an apply effect's key (crashes are logged by it)."""
     return (key or "").rpartition("#")[0]
+
+
+def _ack_tokens(reply: str) -> tuple[str, int]:
+    """(durable, stream seq) named by a delivery's reply subject, $JS.ACK.<stream>.<durable>.<delivered>.<sseq>...
+    (v1), or with domain and account hash (v2); ('', 0) for another subject."""
+    tokens = reply.split(".")
+    at = 3 if len(tokens) == 9 else 5
+    try:
+        return tokens[at], int(tokens[at + 2])
+    except (IndexError, ValueError):
+        return "", 0
+
+
+def _inbox_of(child: Any, inbox: str) -> bool:
+    """A pull request's reply inbox is this process's own (the run gives each process an inbox prefix)."""
+    return bool(child.inbox) and (inbox + ".").startswith(child.inbox + ".")
+
+
+def _crash_due(child: Any, call: int) -> bool:
+    """This env.apply call is one the nemesis kills the process on (it is no stall's to hold)."""
+    return any(c.effect == "apply" and c.call == call and c not in child.fired for c in child.faults)
+
+
+def _straddler(orders: list[Event], cut: int) -> tuple[Event, Event]:
+    """The order published on both sides of the switch whose last n=2 event and first n=3 event sit closest in
+    the stream: (that n=2 event, that n=3 event). Seeded: the workload is."""
+    last = {e.key: i for i, e in enumerate(orders[:cut])}
+    first: dict[str, int] = {}
+    for i, e in enumerate(orders[cut:], cut):
+        first.setdefault(e.key, i)
+    key = min((k for k in last if k in first), key=lambda k: (first[k] - last[k], -last[k]))
+    return orders[last[key]], orders[first[key]]
 
 
 def _event(data: Any) -> Event:
@@ -207,6 +259,34 @@ class Slot:
 
 
 @dataclass
+class Stall:
+    """The planned stall: the first worker to apply `old` (the straddling order's last event published with n=2),
+    if another running worker had pulled the durable it pulls, is held in env.apply until another worker took `old`
+    too and `new` (its next event, published with n=3) was applied, or until no durable delivered anything for QUIET
+    once its ack_wait passed (the run waits for it). A worker with a durable of its own goes on at once: nobody
+    else could take its event, and a hold would only race the file's own timing (a guessed delay)."""
+
+    old: Event
+    new: Event
+    planned: rules.Planned
+    pid: int = 0  # the stalled worker
+    began: float = 0.0  # wall clock
+    ended: float = 0.0
+    taken_by: int = 0  # the worker that began applying `old` while it was stalled (0: none)
+    shared: bool = False  # another running worker had pulled the stalled one's durable: only then does it stall
+
+
+@dataclass
+class Kept:
+    """A killed worker's unacked deliveries the grader kept in progress (+WPI) until its replacement had its turn."""
+
+    pid: int
+    events: int
+    began: float
+    ended: float = 0.0
+
+
+@dataclass
 class Shop:
     """One run's world: the ledger, the publishers, the workers and what the grader published."""
 
@@ -228,6 +308,10 @@ class Shop:
     held_until: float = 0.0  # until when (monotonic) the old layout's applies are slow
     asked: set[int] = field(default_factory=set)  # workers that asked for their partition (they are running)
     parker: tuple[float, int] | None = None  # when the grader killed the worker that met the refusal, its pid
+    stall: Stall | None = None  # the planned stall on the straddling order's last n=2 event
+    delivered: dict[int, list[str]] = field(default_factory=dict)  # a worker's pid -> reply subjects delivered to it
+    kept: list[Kept] = field(default_factory=list)  # killed workers' events the grader kept from coming back
+    holds: list[asyncio.Future[None]] = field(default_factory=list)
     offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # ledger clock -> wall clock
 
     def __post_init__(self) -> None:
@@ -248,6 +332,12 @@ class Shop:
             self.rejected.append(self.run.record_effect(child, "rejected", key, seq=event.seq))
             raise Refuse("OrderRejected", rejected_text(event))
         start = time.monotonic()
+        stall = self.stall
+        if stall is not None and event == stall.old:
+            if stall.pid and not stall.ended and child.pid != stall.pid and not stall.taken_by:
+                stall.taken_by = child.pid
+            elif not stall.pid and not _crash_due(child, call):
+                await self.stalled(child, stall)
         await asyncio.sleep(event.work * SCALE + self.slowed(event))
         self.ledger.apply(event, str(child.pid), start=start)
         self.run.record_effect(child, "apply", key, seq=event.seq, step=event.kind)
@@ -258,6 +348,115 @@ class Shop:
         whether an order's old event is still being applied when its new one is handed out)."""
         held = time.monotonic() < self.held_until
         return HOLD_STEP if held and self.layout.get((event.key, event.seq)) == 2 else 0.0
+
+    async def stalled(self, child: Child, stall: Stall) -> None:
+        """Hold this worker in its apply of stall.old (see Stall): on a durable other workers pull, the broker hands
+        the event to one of them once its ack_wait passed, and the order's next event after it."""
+        stall.pid, stall.began = child.pid, time.time()
+        stall.planned.fired = True
+        mine = self.pulled_by(child)
+        others = [c for c in self.run.children if c is not child and c.role == "worker" and not gone(c)]
+        stall.shared = any(p.durable in mine and any(_inbox_of(c, p.inbox) for c in others) for p in self.watch.pulls)
+        if not stall.shared:  # a durable of its own (or of a worker that died): nobody else can take the event
+            stall.ended = stall.began
+            return
+        ack_wait = await self.ack_wait(mine)
+        begin = time.monotonic()
+
+        def raced() -> bool:
+            return bool(stall.taken_by) and (stall.new.key, stall.new.seq) in self.done()
+
+        def since() -> float | None:  # its ack_wait passed, and the order's next event is on the stream
+            return begin + ack_wait if (stall.new.key, stall.new.seq) in self.published else None
+
+        try:
+            # Quiet on every durable: the stall ends once the whole run waits for it.
+            await self.until_quiet(None, raced, since)
+        finally:
+            stall.ended = time.time()
+
+    async def until_quiet(self, durables: set[str] | None, done: Any, since: Any) -> None:
+        """Wait until done(), or until `durables` (None: all) delivered nothing for QUIET from since() on (a monotonic
+        time, None while not yet: what the broker had sent before is counted first); at most PHASE_DEADLINE."""
+        begin = time.monotonic()
+        seen, moved = -1, begin
+        while not done() and time.monotonic() < begin + PHASE_DEADLINE:
+            count = self.deliveries_on(durables)
+            now = time.monotonic()
+            if count != seen:
+                seen, moved = count, now
+            start = since()
+            if start is not None and now >= max(start, moved) + QUIET:
+                await self.watch.caught_up()
+                if self.deliveries_on(durables) == seen:
+                    return
+            await asyncio.sleep(0.01)
+
+    async def keep(self, victim: Child, slot: Slot) -> None:
+        """Keep a killed worker's unacked deliveries in progress on the broker (+WPI) until its slot's next worker
+        asked one of the durables the killed one pulled, and those delivered nothing for QUIET since: whatever the
+        durable hands out beyond them, the replacement meets first, however long it took to start."""
+        replies = [r for r in self.delivered.get(victim.pid, []) if not self.settled(r)]
+        durables = self.pulled_by(victim)
+        if not replies or not durables:
+            return
+        kept = Kept(victim.pid, len(replies), time.time())
+        self.kept.append(kept)
+        asked: list[float] = []
+
+        def moved_on() -> bool:  # every kept event settled, or the slot stopped, or its replacement ended too
+            child = slot.child
+            ended = child is not victim and (child is None or gone(child))
+            return all(map(self.settled, replies)) or slot.stopped or ended
+
+        def since() -> float | None:  # from the replacement's first pull on one of those durables
+            child = slot.child
+            if (
+                not asked
+                and child is not None
+                and child is not victim
+                and any(p.durable in durables and _inbox_of(child, p.inbox) for p in self.watch.pulls)
+            ):
+                asked.append(time.monotonic())
+            return asked[0] if asked else None
+
+        async def progress() -> None:
+            while True:
+                for reply in [r for r in replies if not self.settled(r)]:
+                    await self.run.nc.publish(reply, b"+WPI")
+                await asyncio.sleep(WPI_EVERY)
+
+        sender = asyncio.ensure_future(progress())
+        try:
+            await self.until_quiet(durables, moved_on, since)
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+            kept.ended = time.time()
+
+    def settled(self, reply: str) -> bool:
+        """The delivery's message was acked, terminated or nak'd (by anyone: a redelivery's ack counts)."""
+        seq = _ack_tokens(reply)[1]
+        return any(a.stream_seq == seq and a.kind in ("ack", "term", "nak") for a in self.watch.acks)
+
+    def pulled_by(self, child: Child) -> set[str]:
+        """The durables this worker process asked for events (the broker's record of its pull requests)."""
+        return {p.durable for p in self.watch.pulls if _inbox_of(child, p.inbox)}
+
+    def deliveries_on(self, durables: set[str] | None) -> int:
+        """Deliveries the broker made so far from these durables (None: from any consumer on the stream)."""
+        return sum(1 for reply in list(self.watch.deliveries) if durables is None or _ack_tokens(reply)[0] in durables)
+
+    async def ack_wait(self, durables: set[str]) -> float:
+        """The longest ack_wait of these durables, as the broker has it (at most ACK_WAIT_MAX: above it, a file
+        fails ack_wait_bounded anyway)."""
+        waits = [0.0]
+        for name in durables:
+            with contextlib.suppress(Exception):
+                info = await self.run.js.consumer_info(self.run.names.stream(STREAM), name)
+                waits.append(float(info.config.ack_wait or 0))
+        return min(ACK_WAIT_MAX, max(waits))
 
     async def on_resolved(self, child: Child, key: str | None, detail: dict[str, Any], call: int) -> bool:
         return not (self.poison is not None and key == self.poison.key and not self.resolved_at)
@@ -302,6 +501,15 @@ class Shop:
         child = await self.spawns.release()
         slot.child = child
         if child is not None:
+            if child.inbox:  # what the broker delivers to it, before it can ask (it waits for its assignment)
+                mine = self.delivered.setdefault(child.pid, [])
+
+                async def delivered(msg: Any, mine: list[str] = mine) -> None:
+                    if (msg.reply or "").startswith("$JS.ACK.") and not (msg.subject or "").startswith(child.inbox):
+                        mine.append(msg.reply)
+
+                await self.run.nc.subscribe(f"{child.inbox}.>", cb=delivered)
+                await self.run.nc.flush()
             self.owners[str(child.pid)] = slot
             self.assigned.setdefault(child.pid, asyncio.get_running_loop().create_future()).set_result(slot)
 
@@ -312,6 +520,8 @@ class Shop:
                 child = slot.child
                 # A crash or a death is replaced (rule 3 judges the death); a worker that returned chose to stop.
                 if self.tending and not slot.stopped and child is not None and gone(child) and not child.returned:
+                    if child.fired:  # a planned crash: its events come back once the replacement had its turn
+                        self.holds.append(asyncio.ensure_future(self.keep(child, slot)))
                     await self.spawns.stop(child)
                     await self._release(slot)
             await asyncio.sleep(0.01)
@@ -363,6 +573,18 @@ class Shop:
         for crash in self.run.log.events("crash"):
             if _order_of(crash.key) == key:
                 steps.add(crash.ts, f"worker {crash.pid} SIGKILLed by the grader ({crash.detail['when']} env.apply)")
+        stall = self.stall
+        if stall is not None and stall.shared and key == stall.old.key:
+            steps.add(stall.began, f"worker {stall.pid} stalled by the grader in its apply of {stall.old.kind} (event"
+                      f" {stall.old.seq}), as planned: other workers pull its durable")  # fmt: skip
+            if stall.ended:
+                steps.add(stall.ended, f"worker {stall.pid}'s stall ends")
+        for kept in self.kept:
+            if any(c.pid == kept.pid and _order_of(c.key) == key for c in self.run.log.events("crash")):
+                steps.add(kept.began, f"the grader keeps worker {kept.pid}'s {plural(kept.events, 'unacked event')} in"
+                          " progress on the broker until its replacement had its turn")  # fmt: skip
+                if kept.ended:
+                    steps.add(kept.ended, f"worker {kept.pid}'s unacked events are let come back (after ack_wait)")
         if self.parker is not None and self.poison is not None and key == self.poison.key:
             steps.add(self.parker[0], f"worker {self.parker[1]}, which had met the refusal, SIGKILLed by the grader")
         if self.poison is not None and key == self.poison.key and self.resolved_at:
@@ -393,6 +615,14 @@ async def grade(run: Run) -> list[Check]:
     burst = [replace(e, key="q" + e.key[1:]) for e in workload(seed + 1, orders=10, overlap=10)]
     shop.poison = [e for e in burst if e.seq == 1][rng(seed, "poison").randrange(1, 4)]  # later events follow it
     backlog = workload(seed + 2, orders=48, skew=4.0)  # one wholesale customer places most orders
+    old, new = _straddler(orders, cut)
+    stall = Stall(old, new, rules.Planned(
+        f"stall the worker that first applies {old.key}'s {old.kind} (event {old.seq}, the order's last published"
+        f" with n=2) inside env.apply, until no durable had anything more to hand out for {QUIET:.0f} s after its"
+        " ack_wait", hint=_APPLY_HINT,
+    ))  # fmt: skip
+    run.planned.append(stall.planned)
+    shop.stall = stall
     tender = asyncio.ensure_future(shop.tend())
     measured: dict[int, Measured] = {}
     late = LATE
@@ -502,9 +732,13 @@ async def grade(run: Run) -> list[Check]:
                 await shop.stop(slots)
     finally:
         tender.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await tender
+        for task in [tender, *shop.holds]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await spawns.cancel()
+    if not stall.planned.fired:
+        stall.planned.seen = f"no worker applied {old.key}'s {old.kind} (event {old.seq})"
     await spawns.settle()
     seqs = await _stream_seqs(run, stream)
     durables = [info for info in await run.js.consumers_info(stream) if info.config.durable_name]
@@ -703,6 +937,9 @@ def _lost_check(shop: Shop, exclude: set[str], seqs: dict[tuple[str, int], list[
 def _duplicate_check(shop: Shop, ended: dict[int, float], seqs: dict[tuple[str, int], list[int]]) -> Check:
     title = "an event is applied again only where a worker that applied it was killed before its ack (rule 6)"
     effects: dict[tuple[str, int], list[Any]] = defaultdict(list)
+    stall = shop.stall
+    if stall is not None:  # the planned stall's event first: the same evidence on every run of the seed
+        effects[(stall.old.key, stall.old.seq)] = []
     for e in shop.run.log.events("effect", "apply"):
         effects[(e.key or "", int(e.detail["seq"]))].append(e)
     for key, applied in effects.items():
@@ -713,12 +950,26 @@ def _duplicate_check(shop: Shop, ended: dict[int, float], seqs: dict[tuple[str, 
                 f"{event.key}'s {event.kind} (event {event.seq}) was applied {len(applied)} times, by workers"
                 f" {', '.join(sorted({str(a.pid) for a in applied}))}; a crash explains {allowance.allowed - 1} extra."
             )
-            return Check(
-                "no_extra_duplicates", title, False, message, trace=shop.trace(event.key),
-                hint="ack each event once env.apply returned, within ack_wait, and let no two workers take the same"
-                " partition's events",
-            )  # fmt: skip
+            hint = (
+                "ack each event once env.apply returned, within ack_wait, and let no two workers take the same"
+                " partition's events"
+            )
+            if stall is not None and event == stall.old and stall.taken_by:
+                message += f" {_stall_story(shop, stall)}"
+                hint = (
+                    "a stalled worker's event must stay its own: give each partition a durable of its own, pulled by"
+                    " one worker (a durable every worker pulls hands a slow worker's event to the next one that asks)"
+                )
+            return Check("no_extra_duplicates", title, False, message, trace=shop.trace(event.key), hint=hint)
     return Check("no_extra_duplicates", title, True)
+
+
+def _stall_story(shop: Shop, stall: Stall) -> str:
+    """What the planned stall did, for a verdict: who was stalled, for how long, and who took the event meanwhile."""
+    return (
+        f"The grader stalled worker {stall.pid} in its apply of it for {stall.ended - stall.began:.1f} s (planned, past"
+        f" its durable's ack_wait), and the durable handed the event to worker {stall.taken_by} meanwhile."
+    )
 
 
 def _taken_early(shop: Shop, applies: list[Applied]) -> tuple[Applied, Applied] | None:

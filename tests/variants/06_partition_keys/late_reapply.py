@@ -1,7 +1,9 @@
 """The solution, but each worker takes three events at a time, applies them, then acks the three, and nothing
 bounds what its durable has in flight. A killed worker's batch comes back after ack_wait, behind what its
 replacement applied meanwhile: events applied a second time after their order's next event (the state goes
-backwards, although rule 6 excuses the second apply itself).
+backwards, although rule 6 excuses the second apply itself). The grader keeps the batch from coming back
+until the replacement has asked and the durable has nothing more for it, so a replacement slow to start
+(a loaded machine) meets the newer events first all the same.
 
 Expect: fail per_key_order
 Says: applied after a later event

@@ -1,8 +1,11 @@
 """One durable over all partitions with max_ack_pending=1: order kept, but one event at a time for
-everyone, so four partitions apply no faster than one.
+everyone, so four partitions apply no faster than one. And a worker stalled past ack_wait (the grader's
+planned stall) has its event handed to another worker, which applies it while the first is still at it:
+applied twice, by two owners at once (on a loaded machine any slow apply did that, on some runs only).
 
-Expect: fail throughput_grows_with_partitions
+Expect: fail throughput_grows_with_partitions, no_extra_duplicates, one_owner_per_key
 Says: nothing may serialise all partitions
+Says: handed the event to worker
 """
 
 import zlib
