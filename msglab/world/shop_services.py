@@ -8,7 +8,8 @@
     pay.pid, pay.alive, pay.kill(), pay.stop()   # kill(): SIGKILL, now; stop(): SIGTERM, then SIGKILL
 
 Each service connects to `url` with the options given to `start` (sent on its stdin: no URL, hence no
-credentials, on a command line any user can read) and says `ready` once it serves; it keeps no store.
+credentials, on a command line any user can read) and says `ready` once it serves; it keeps no store,
+fetches one message at a time and rides out a server restart.
 
 payments: pulls order events (JSON {"id", "customer", "cents"}) from `durable` on `stream`. Per delivery:
 status `pending`, then a charge at the course's gateway (msglab.world.gateway) with an idempotency key,
@@ -26,7 +27,9 @@ a grader or a lesson SIGKILLs it there.
 
 email: pulls status events from `durable` on `stream`; for a final one (confirmed, failed) it sends a
 receipt through module 04's email provider (msglab.world.email_provider; `templates` per status, to
-`<customer>@<domain>`, idempotency key `receipt-<order id>`), then acks; `pending` is acked unsent. Module
+`<customer>@<domain>`, idempotency key `receipt-<order id>`; TEMPLATES' `payment_failed` is not one the
+provider knows at start: deploy it with the provider's `template` control), then acks; `pending` is acked
+unsent. Module
 04's rule: a 5xx, a 429 or a dropped connection is retried with a nak whose delay grows (`backoff`), a
 deliveries' budget of `max_deliver` (the durable's own); another error, or the budget spent, sends the
 status event to `dlq` (Nats-Msg-Id `dlq-<stream seq>`, Correlation-Id carried, `Dlq-Reason`), then terms it.
