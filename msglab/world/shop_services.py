@@ -60,6 +60,8 @@ BACKOFF = (0.1, 0.2, 0.4, 0.8)  # seconds before retry 1, 2, 3, 4 (production: 1
 MAX_DELIVER = 5
 FETCH_TIMEOUT = 0.3  # seconds a fetch waits (scaled down: production long-polls 5-30 s)
 RETRY = 0.1  # seconds before a failed fetch or publish is tried again (a pace, not a wait for a condition)
+# A loaded machine (load average 12 on 2 cores) took over 10 s to start a service: generous, within a run's 45 s.
+READY_TIMEOUT = 30.0
 CONNECT_TRIES = 100  # a first connection is tried this many times, RETRY apart (a server restart takes ~1 s)
 
 
@@ -119,7 +121,7 @@ class Service:
         return f"<{self.name} pid {self.pid} {'running' if self.alive else 'stopped'}>"
 
 
-def start(service: str, url: str, *, ready_timeout: float = 10.0, **options: Any) -> Service:
+def start(service: str, url: str, *, ready_timeout: float = READY_TIMEOUT, **options: Any) -> Service:
     """Start one service (`payments`, `email` or `status`) as a process of its own; return once it serves."""
     from msglab.broker.server import die_with_parent
 
