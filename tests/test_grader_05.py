@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from msglab.graders.backpressure import BUDGET, Plan, Truth, status_cases
+from msglab.graders.backpressure import BUDGET, NEEDLESS_MIN, Plan, Truth, status_cases
 from msglab.grading.grade import grade
 from msglab.world.fulfilment import Handled, Sample
 from msglab.world.fulfilment import status as expected_status
@@ -106,6 +106,26 @@ def test_a_monitor_counting_the_stream_s_first_message_is_caught_on_the_deep_you
     # Its intake, measuring that age, refuses every order: refusals that prove nothing earn nothing (they passed
     # refuses_over_budget when one met phase 1's queue late on a slow machine: seed 57, 1 grading in 2).
     assert "refused every order" in failure(verdict, "refuses_over_budget").message, verdict.to_text()
+
+
+def test_an_age_read_from_a_cancellation_refuses_the_calm_step_on_every_run(no_nats_url: None) -> None:
+    # The calm step starts once a cancellation stored after the last ack is well over the budget's age: such an intake
+    # refuses every order placed on the empty queue, so intake A never reaches its kill (rule 1 says it accepted none)
+    # and its refusals prove nothing. Whether it accepted an order elsewhere came and went with the machine's pace
+    # (refuses_over_budget flipped beside a busy loop, seed 1).
+    verdict = grade("05", source=VARIANTS / "age_without_subject.py", seed=1)
+    assert "made only 0 ACCEPTED answers" in failure(verdict, "faults_fired").message, verdict.to_text()
+    assert "each on an empty queue" in failure(verdict, "refuses_over_budget").message, verdict.to_text()
+
+
+def test_refusing_while_anything_is_unfinished_is_needless_clearly_while_the_workers_keep_up(no_nats_url: None) -> None:
+    # Keeping up: a few of the shop's orders always in hand, none waiting long. Each customer there is refused by an
+    # intake that refuses while anything is unfinished: far more needless refusals than the check needs (the rush's
+    # start alone gave about six, near the five judged, and fewer on a loaded machine).
+    verdict = grade("05", source=VARIANTS / "refuses_early.py", seed=7)
+    check = failure(verdict, "refuses_only_over_budget")
+    assert int(check.message.split(" of ")[0]) >= 2 * NEEDLESS_MIN, verdict.to_text()
+    assert not {"faults_fired", "refuses_over_budget"} & {c.name for c in verdict.failures}, verdict.to_text()
 
 
 def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url: None) -> None:

@@ -12,14 +12,21 @@ Workload (seeded), each phase ended by what the grader sees, with a cap:
   0. quiet: nothing waits; `orders.cancelled` events arrive every 0.1 s from here on, the first one well
      over the budget's age before phase 1;
   1. deep but fast: the workers stop, an import of 200-300 orders lands at once, the monitor is
-     sampled and three orders are placed (the queue is deep, its oldest order a few ms old), then
-     eight workers drain it in a moment;
+     sampled and three orders are placed through intake B (the queue is deep, its oldest order a few
+     ms old), then eight workers drain it in a moment;
+     calm: once a cancellation stored after the last ack is QUIET old, orders are placed through
+     intake A one at a time, each on a drained queue, until A was SIGKILLed right after its k-th
+     acceptance (k from the seed, 4-9), at most k + CALM_SPARE orders; B takes every later order, so
+     where the kill lands follows from the plan, never from how many orders an earlier phase's pace
+     let A accept (rule 1 says what A answered instead, should it not fire);
   2. the rush ("over capacity"): one slow worker (80 ms an order) while customers place an order every
      15 ms or so (about two to five times as fast), until the intake has refused ten orders; then the
      worker keeps its pace until each order accepted here is finished or has surely waited too long;
-     intake A is SIGKILLed right after its k-th acceptance (k from the seed, 4-9, counting phase 1's);
   3. stall: the workers stop; orders keep coming until the queue age is well over the budget;
   4. scale up: six workers drain the backlog; orders keep coming until the age has fallen back;
+     keeping up: eight workers take the grader's own orders (10 ms each, one every 4 ms, so a few are
+     always in hand and none waits long) while 20 customers come, one every 40 ms: every order there
+     meets a young, short queue (a refusal there is needless, clearly, on every run);
      then the stream refuses every publish (full, discard-new) for 2-4 orders, and accepts again;
      then, twice (in an order from the seed), the stream goes silent and orders are placed until one's
      publish reaches it (up to 3 s): it stores that order without confirming it, or, full, refuses it
@@ -100,6 +107,14 @@ YOUNG = BUDGET / 10  # ... and the oldest of them had waited at most this (a mar
 # measured while the machine starved its processes refused 2 (the solution, every core busy): judged from this many.
 NEEDLESS_MIN = 5
 CANCEL_EVERY = 0.1
+# The calm step: intake A takes orders one at a time, each on an empty queue, until its planned kill fired; at most
+# this many more than the kill counts (an intake that refuses an empty queue never reaches it: rule 1 says so).
+CALM_SPARE = 6
+# Keeping up: eight workers spend KEEP_WORK on each of the grader's own orders, published every KEEP_GAP, so a few are
+# always in hand and none waits long; KEEP_ORDERS customers come, one every KEEP_ORDER_GAP. Each order placed there
+# meets a queue that is never empty and always young: an intake that refuses while anything is unfinished refuses
+# each one (clearly needless, many times NEEDLESS_MIN), one that forecasts or keeps a margin accepts.
+KEEP_WORK, KEEP_GAP, KEEP_ORDERS, KEEP_ORDER_GAP = 0.01, 0.004, 20, 0.04
 # Phase 0 lasts until the first cancellation has been in the stream this long: from then on a monitor that counts
 # the stream's first message, or a cancellation, reads clearly over the budget, so the deep-but-fast moment after it
 # judges such a monitor the same way on every run, whenever the moment's samples land.
@@ -232,7 +247,7 @@ class Plan:
     @classmethod
     def draw(cls, seed: int) -> Plan:
         r = rng(seed, "plan")
-        # kill_at counts every acceptance: the three orders of phase 1 first, so the kill falls in phase 2.
+        # kill_at counts intake A's acceptances, all in the calm step (phase 1's orders go through B).
         burst, kill_at, refused = r.randint(200, 300), r.randint(4, 9), r.randint(2, 4)
         budgets = (0.5, r.choice([2.0, 5.0]), 300.0)
         return cls(burst, kill_at, refused, budgets, tuple(r.sample(LOST_KINDS, 2)))
@@ -385,6 +400,10 @@ class Lab:
         self.sampling = True
         self.running = True  # the background loops stop when this turns False (see _stop)
         self.cancels_at: list[float] = []
+        self.cancels_sent: list[float] = []  # when each cancellation's publish began (cancels_at: confirmed)
+        # Which intake takes the orders: B until the calm step, A in it (until its planned kill), B after it, so A's
+        # k-th acceptance is an order placed on an empty queue, whatever the machine's pace did before.
+        self.route = "B"
         self.own_publish = asyncio.Lock()  # held by the grader's own publishes, and while a confirmation is lost
         self.lost: list[Lost] = []
         self.locks = {child.pid: asyncio.Lock() for child in intakes}
@@ -461,10 +480,8 @@ class Lab:
     # -- the intake
 
     def intake(self) -> tuple[str, Child] | None:
-        for label, child in zip("AB", self.intakes, strict=True):
-            if child.alive:
-                return label, child
-        return None
+        child = self.intakes["AB".index(self.route)]
+        return (self.route, child) if child.alive else None
 
     async def place(self, prefix: str = "o") -> Placed | None:
         chosen = self.intake()
@@ -514,8 +531,10 @@ class Lab:
             body = json.dumps({"id": f"c-{n:04d}", "reason": "customer"}).encode()
             with contextlib.suppress(Exception):
                 async with self.own_publish:
+                    sent = time.time()
                     await self.run.js.publish(self.run.names.subject(CANCELLED), body)
                 self.cancels_at.append(time.time())
+                self.cancels_sent.append(sent)
             await asyncio.sleep(CANCEL_EVERY)
 
     async def import_orders(self, count: int) -> float:
@@ -546,6 +565,14 @@ class Lab:
         except (TimeoutError, OSError, NatsError):
             return False
         return not info.num_pending and not info.num_ack_pending and self.pool.idle
+
+    def quiet_for(self, seconds: float) -> bool:
+        """A cancellation published after the last ack was stored at least `seconds` ago: so was the first message
+        after the durable's ack floor, and an age read from it (not from the durable's own subject) is that old."""
+        acks = [h.ack_done for h in self.pool.seen.values() if math.isfinite(h.ack_done)]
+        last = max(acks, default=self.run.t0)
+        now = time.time()
+        return any(s >= last and c <= now - seconds for s, c in zip(self.cancels_sent, self.cancels_at, strict=False))
 
     async def age_at_least(self, seconds: float) -> bool:
         now = await self.reference()
@@ -601,12 +628,13 @@ async def _play(lab: Lab) -> None:
             if young or not lab.monitor.alive:
                 break  # under heavy load a sample can come too late to count as "young": import again
 
+        async with phase("calm"):  # intake A takes orders, each on an empty queue, until its planned kill fired
+            await _calm(lab)
+
         async with phase("over capacity"):  # the rush: one slow worker, customers several times as fast
             pool.scale(1, WORK_SLOW)
             lab.order_gap = RUSH_GAP
             lab.customers_on = True
-            a = lab.intakes[0]
-            await run.wait_for(lambda: not a.alive or lab.intake() is None, PHASE_CAP)  # A killed at its k-th accept
 
             # Until the intake has pushed back for a while: by then an intake that refuses only once the age is
             # over the budget has accepted orders that wait about k times the budget (k: arrivals / drain rate).
@@ -641,6 +669,11 @@ async def _play(lab: Lab) -> None:
             await run.wait_for(lambda: len(lab.answered_since(since)) >= 4 or lab.intake() is None, PHASE_CAP)
             lab.customers_on = False
             await run.wait_for(lambda: not any(p.a and not p.outcome for p in lab.placed), CALL_DEADLINE + 1)
+
+        # Not before the rush: a forecast that measured the drain rate here (hundreds a second) in the last second
+        # would carry it into the rush's first orders, when one slow worker finishes a dozen a second.
+        async with phase("keeping up"):  # a few orders always in hand, none waiting long: every order fits
+            await _keeping_up(lab)
 
         async with phase("stream full"), refuse_publishes(run.js, lab.stream):
             began = time.time()
@@ -693,6 +726,62 @@ async def _play(lab: Lab) -> None:
         lab.sampling = False
         await asyncio.gather(sampler, return_exceptions=True)
     await _status_cases(lab)
+
+
+async def _calm(lab: Lab) -> None:
+    """Intake A's planned kill, made to fire by the workload: orders are placed through A one at a time, each on a
+    drained queue (eight fast workers), until A was killed right after its k-th ACCEPTED, or k + CALM_SPARE orders.
+
+    It starts once the queue has been empty for QUIET: an intake that reads the age from a message the durable
+    never delivers (a cancellation) reads it over the budget on every run, and refuses here every time. A is never
+    handed another order (rule 1 says what it answered instead), so no later phase's pace can move its kill.
+    """
+    run = lab.run
+    await run.wait_for(lab.drained, PHASE_CAP)
+    await run.wait_for(lambda: lab.quiet_for(QUIET), PHASE_CAP)
+    a = lab.intakes[0]
+    lab.route = "A"
+    try:
+        for _ in range(lab.plan.kill_at + CALM_SPARE):
+            if not a.alive:
+                break
+            await run.wait_for(lab.drained, PHASE_CAP)
+            await lab.place()
+    finally:
+        lab.route = "B"
+
+
+async def _keeping_up(lab: Lab) -> None:
+    """The grader's own orders keep a few in the workers' hands, none waiting long; customers come now and then."""
+    run, pool = lab.run, lab.pool
+    pool.scale(8, KEEP_WORK)
+    flowing = asyncio.Event()
+    flowing.set()
+    start = len(pool.seen)
+    feed = asyncio.ensure_future(_feed(lab, flowing))
+    try:
+        await run.wait_for(lambda: len(pool.seen) - start >= 10, PHASE_CAP)  # the workers have orders in hand
+        for _ in range(KEEP_ORDERS):
+            if lab.intake() is None:
+                break
+            placed = time.monotonic()
+            await lab.place()
+            await asyncio.sleep(max(0.0, KEEP_ORDER_GAP - (time.monotonic() - placed)))
+    finally:
+        flowing.clear()
+        await _stop([feed])
+    pool.scale(8, 0.0)
+    await run.wait_for(lab.drained, PHASE_CAP)
+
+
+async def _feed(lab: Lab, flowing: asyncio.Event) -> None:
+    """The shop's other orders (the grader's, ids k-...), one every KEEP_GAP, published without waiting."""
+    subject, n = lab.run.names.subject(SUBJECT), 0
+    while flowing.is_set():
+        n += 1
+        with contextlib.suppress(TimeoutError, NatsError):
+            await lab.run.nc.publish(subject, json.dumps({"id": f"k-{n:04d}", "sku": "sku-shop", "qty": 1}).encode())
+        await asyncio.sleep(KEEP_GAP)
 
 
 @dataclass
@@ -948,6 +1037,8 @@ def _phase_words(phase: str) -> str:
     return {
         "quiet": "while nothing waited (only cancellations, which the durable does not read, were arriving)",
         "deep": "right after an import of hundreds of orders landed at once (a deep queue, its oldest order young)",
+        "calm": "on an empty queue, while the workers kept up",
+        "keeping up": "while the workers kept up with the shop's orders (a few in hand, none waiting long)",
         "over capacity": "while one slow worker fell behind the customers",
         "stall": "while every worker was stalled",
         "scaled up": "after six workers had drained the backlog",
@@ -1215,9 +1306,16 @@ def _refuses_over_check(lab: Lab, truth: Truth) -> Check:
     title = "place_order refuses (BUSY) while the queue's age is over the budget"
     over = [p for p in lab.placed if _judged(p) and p.lb >= BUDGET + INTAKE_CLEAR]
     accepted = [p for p in over if p.outcome == ACCEPTED]
-    # An intake that accepts nothing refuses over the budget too, proving nothing: not judged as passing, whether
-    # or not one of its refusals happened to meet an old queue (phase 1's, on a slow machine).
-    refused_all = bool(lab.placed) and not any(p.outcome == ACCEPTED for p in lab.placed if p.phase != "stream full")
+    # An intake that refuses an empty queue refuses over the budget too, proving nothing: not judged as passing,
+    # whether or not one of its other answers happened to meet a young queue. Judged on the calm step, where every
+    # order meets an empty queue that has been empty a while on every run (a lucky acceptance elsewhere came and
+    # went with the machine's pace).
+    calm = [p for p in lab.placed if p.phase == "calm" and p.outcome in (ACCEPTED, BUSY)]
+    if calm:
+        refused_all = not any(p.outcome == ACCEPTED for p in calm)
+    else:
+        answered = [p for p in lab.placed if p.phase != "stream full"]
+        refused_all = bool(lab.placed) and not any(p.outcome == ACCEPTED for p in answered)
     if over and not accepted and not refused_all:
         return Check(name, title, True)
     if not accepted:
@@ -1231,10 +1329,18 @@ def _refuses_over_check(lab: Lab, truth: Truth) -> Check:
             )
             hint = "answer at once: refuse with BUSY rather than wait for the queue to drain"
         elif refused_all:
-            message = (
-                f"could not be tested: place_order refused every order ({len(lab.placed)} of them), so its refusals "
-                "say nothing about the age: the queue of the customers' orders never grew old enough to judge one."
-            )
+            if calm:
+                message = (
+                    f"could not be tested: place_order refused every order placed while nothing waited and the "
+                    f"workers kept up ({len(calm)} of them, each on an empty queue), so its refusals say nothing "
+                    "about the age."
+                )
+            else:
+                message = (
+                    f"could not be tested: place_order refused every order ({len(lab.placed)} of them), so its "
+                    "refusals say nothing about the age: the queue of the customers' orders never grew old enough "
+                    "to judge one."
+                )
             hint = "fix refuses_only_over_budget first: accept while the age is under the budget"
         else:
             message = (
