@@ -751,7 +751,7 @@ async def grade(run: Run) -> list[Check]:
         _duplicate_check(shop, spawns.ended, seqs),
         _owner_check(shop),
         _rescale_check(shop, spanning),
-        _layout_check(shop, [*orders[cut:], *burst]),
+        _layout_check(shop, [*orders[cut:], *burst], {info.config.durable_name for info in durables}, seqs),
         _parked_check(shop, {info.config.durable_name for info in durables}),
         _flow_check(shop, burst),
         _throughput_check(measured, len(backlog)),
@@ -1040,9 +1040,11 @@ def _rescale_check(shop: Shop, spanning: set[str]) -> Check:
     return Check("order_kept_during_rescale", title, False, message, trace=shop.trace(a.key), hint=hint)
 
 
-def _layout_check(shop: Shop, events: list[Event]) -> Check:
+def _layout_check(shop: Shop, events: list[Event], durables: set[str], seqs: dict[tuple[str, int], list[int]]) -> Check:
     """After the rescale the three partitions of n=3 do the work: every event published with n=3 is applied by
-    a worker of that layout, and each of its three workers applies some."""
+    a worker of that layout, and each of its three workers applies some. Where a durable an old-layout worker
+    pulled handed out events published with n=3, the old layout could take them whichever worker the broker
+    served: that fails too, from the broker's record, whether or not it did on this run."""
     title = "after the rescale, the three new partitions apply the events published with n=3 (each its share)"
     check = "rescaled_to_new_layout"
     wanted = {(e.key, e.seq) for e in events}
@@ -1059,6 +1061,20 @@ def _layout_check(shop: Shop, events: list[Event]) -> Check:
                 " worker may apply it: route by the n publish is given, and give each layout durables of its own"
             )
             return Check(check, title, False, message, trace=shop.trace(a.key), hint=hint)
+    shared = _shared_with_old_layout(shop, wanted, durables, seqs)
+    if shared is not None:
+        worker, durable, count = shared
+        prefix = f"{shop.run.names.prefix}_" if shop.run.names.prefix else ""
+        message = (
+            f"worker {worker}, of the 2-partition layout, pulled durable {durable.removeprefix(prefix)}, which"
+            f" handed out {plural(count, 'event')} published with n=3: the old layout could take the new layout's"
+            " events, and which worker got each was the broker's choice."
+        )
+        hint = (
+            "an event published with n=3 belongs to one of the three new partitions, and only that partition's"
+            " worker may apply it: give each layout durables of its own, filtered on its own subjects"
+        )
+        return Check(check, title, False, message, hint=hint)
     counts: Counter[int] = Counter()
     for a in shop.ledger.log:
         slot = shop.owners.get(a.worker)
@@ -1077,6 +1093,27 @@ def _layout_check(shop: Shop, events: list[Event]) -> Check:
         " three new workers applies its own partition's events"
     )
     return Check(check, title, False, message, hint=hint)
+
+
+def _shared_with_old_layout(
+    shop: Shop, wanted: set[tuple[str, int]], durables: set[str], seqs: dict[tuple[str, int], list[int]]
+) -> tuple[str, str, int] | None:
+    """(an old-layout worker, a durable it pulled, how many events published with n=3 that durable handed out),
+    or None: the broker's record of pulls and deliveries (durables only: a replay's ephemeral consumer is not one)."""
+    new = {q for key in wanted for q in seqs.get(key, [])}
+    handed: Counter[str] = Counter()
+    for reply in list(shop.watch.deliveries):
+        durable, seq = _ack_tokens(reply)
+        if seq in new and durable in durables:
+            handed[durable] += 1
+    for child in shop.run.children:
+        slot = shop.owners.get(str(child.pid))
+        if slot is None or slot.n != 2:
+            continue
+        for durable in sorted(shop.pulled_by(child)):
+            if handed[durable]:
+                return str(child.pid), durable, handed[durable]
+    return None
 
 
 def _parked_check(shop: Shop, durables: set[str]) -> Check:
