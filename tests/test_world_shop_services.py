@@ -141,6 +141,8 @@ def test_each_service_is_a_process_and_the_page_ends_right_for_every_order(
             "o-2": ("c-1@example.com", "payment_failed"),
             "o-3": ("c-3@example.com", "order_confirmation"),
         }
+        # The receipt, an effect outside the broker, keeps its order's correlation id at the provider too.
+        assert {e.order_id: e.correlation_id for e in w.provider.sent()} == {o: f"trace-{o}" for o in sent}
         info = await w.js.stream_info("STATUS")
         for seq in range(1, info.state.last_seq + 1):  # every status carries its order's id
             msg: Any = await w.js.get_msg("STATUS", seq)

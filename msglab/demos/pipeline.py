@@ -1003,9 +1003,9 @@ class Shop:
     async def trace(self, order_id: str) -> Trace:
         """One order's path by its Correlation-Id (the order id, as checkout starts it): every event the stream
         stored with it (stamped by the server; who published it, read from its Nats-Msg-Id), each change the page
-        pushed for the order, each charge request the gateway recorded and each request for its receipt that the
-        email provider recorded (outside APIs: they never see our headers, so their records are found by the order
-        id the request names)."""
+        pushed for the order, each charge request the gateway recorded (an outside API that never sees our headers:
+        found by the order id the request names) and each request for its receipt that the email provider recorded
+        with this Correlation-Id."""
         hops = []
         info = await self.js.stream_info(LIVE_STREAM)
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
@@ -1027,7 +1027,9 @@ class Shop:
                     "charge replayed" if g.replayed else "charged" if g.outcome == "charged" else f"charge: {g.outcome}"
                 )
                 hops.append(Hop(g.ts, "gateway", what))
-        for r in await asyncio.to_thread(self.provider.requests, order_id):
+        for r in await asyncio.to_thread(self.provider.requests):  # the provider keeps each request's Correlation-Id
+            if r.correlation_id != order_id:
+                continue
             what = f"receipt sent ({r.template})" if r.status == 200 else f"receipt refused: {r.status}"
             hops.append(Hop(r.ts, "email provider", what))
         return Trace(order_id, sorted(hops, key=lambda hop: hop.ts))

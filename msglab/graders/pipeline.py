@@ -1123,6 +1123,7 @@ def _correlation_check(pipe: Pipeline, orders: Orders, shop: Shop, trace: Any) -
     effects = [("the stream's event", s.order_id, s.correlation_id) for s in pipe.stored]
     effects += [(f"the status '{s.msg_id.rsplit('-', 1)[-1]}'", s.order_id, s.correlation_id) for s in pipe.statuses]
     effects += [(f"the dead letter on {d.subject}", d.order_id, d.correlation_id) for d in pipe.dead]
+    effects += [(f"the receipt '{e.template}'", str(e.order_id), e.correlation_id or "") for e in pipe.sent()]
     for what, o, cid in effects:
         want = orders.correlation(o)
         if o in shop.orders and cid != want:

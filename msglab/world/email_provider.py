@@ -60,7 +60,8 @@ create table if not exists emails (
     order_id text,
     to_addr text not null,
     template text not null,
-    ts real not null
+    ts real not null,
+    correlation_id text          -- the request's Correlation-Id header, if it had one
 );
 create table if not exists requests (
     id integer primary key autoincrement,
@@ -69,7 +70,8 @@ create table if not exists requests (
     to_addr text,
     template text,
     status integer not null,     -- 200 sent, else the error status (0: connection reset)
-    outcome text not null         -- 'sent' or the error text ('sent, then reset', 'replayed': a key's repeat)
+    outcome text not null,        -- 'sent' or the error text ('sent, then reset', 'replayed': a key's repeat)
+    correlation_id text
 );
 create table if not exists idempotency_keys (
     key text primary key,
@@ -79,6 +81,7 @@ create table if not exists idempotency_keys (
 """
 
 KEY_HEADER = "Idempotency-Key"
+CORRELATION_HEADER = "Correlation-Id"  # kept with the request and the email it sent (module 07 traces by it)
 RESET = "[Errno 104] Connection reset by peer"
 SENT_THEN_RESET = "sent, then reset"  # Behaviour.answer's text for a 200 whose answer the caller never gets
 _STATUS = re.compile(r"^\s*(\d{3})\b")
@@ -196,8 +199,11 @@ class ProviderStore:
     def __init__(self, path: str) -> None:
         self.db = open_sqlite(path, SCHEMA)
 
-    def handle(self, behaviour: Behaviour, email: Any, key: str | None = None) -> dict[str, Any]:
-        """One send request: decide, record, and return the reply; `key` is its Idempotency-Key, if any."""
+    def handle(
+        self, behaviour: Behaviour, email: Any, key: str | None = None, correlation_id: str | None = None
+    ) -> dict[str, Any]:
+        """One send request: decide, record, and return the reply; `key` is its Idempotency-Key, if any,
+        `correlation_id` its Correlation-Id (kept with the request and the email, as a real API keeps metadata)."""
         if not isinstance(email, dict) or not isinstance(email.get("to"), str) or "@" not in email["to"]:
             status, text = 400, "400 Bad Request: 'to' must be an email address"
             to, template = None, None
@@ -218,8 +224,9 @@ class ProviderStore:
             else:
                 message_id = "em_" + secrets.token_hex(6)
                 self.db.execute(
-                    "insert into emails (message_id, order_id, to_addr, template, ts) values (?, ?, ?, ?, ?)",
-                    (message_id, order_id, to, template, time.time()),
+                    "insert into emails (message_id, order_id, to_addr, template, ts, correlation_id)"
+                    " values (?, ?, ?, ?, ?, ?)",
+                    (message_id, order_id, to, template, time.time(), correlation_id),
                 )
                 if key is not None:
                     self.db.execute(
@@ -234,8 +241,9 @@ class ProviderStore:
         else:
             reply = {"error": text, "status": status}
         self.db.execute(
-            "insert into requests (ts, order_id, to_addr, template, status, outcome) values (?, ?, ?, ?, ?, ?)",
-            (time.time(), order_id, to, template, status, outcome),
+            "insert into requests (ts, order_id, to_addr, template, status, outcome, correlation_id)"
+            " values (?, ?, ?, ?, ?, ?, ?)",
+            (time.time(), order_id, to, template, status, outcome, correlation_id),
         )
         return reply
 
@@ -258,8 +266,9 @@ async def _subscribe(nc: Any, store: ProviderStore, behaviour: Behaviour, prefix
         except ValueError:
             email = None
         key = (msg.headers or {}).get(KEY_HEADER) or None
+        correlation_id = (msg.headers or {}).get(CORRELATION_HEADER) or None
         try:
-            reply = store.handle(behaviour, email, key)
+            reply = store.handle(behaviour, email, key, correlation_id)
         except Exception as exc:
             reply = {"error": f"400 Bad Request: {type(exc).__name__}", "status": 400}
         await _respond(msg, reply)
@@ -292,15 +301,24 @@ def error_from_reply(reply: dict[str, Any]) -> Exception:
 
 
 async def send(
-    nc: Any, subject: str, email: dict[str, Any], *, idempotency_key: str | None = None, timeout: float = 2.0
+    nc: Any,
+    subject: str,
+    email: dict[str, Any],
+    *,
+    idempotency_key: str | None = None,
+    correlation_id: str | None = None,
+    timeout: float = 2.0,
 ) -> str:
     """Ask the provider to send one email; returns its message id or raises what the provider answered.
 
-    With an idempotency key (the Idempotency-Key header) a repeat returns the first email's id, unsent.
+    With an idempotency key (the Idempotency-Key header) a repeat returns the first email's id, unsent;
+    a correlation id goes in the Correlation-Id header, and the provider keeps it with what it sent.
     """
-    headers = {KEY_HEADER: str(idempotency_key)} if idempotency_key else None
+    headers = {KEY_HEADER: str(idempotency_key)} if idempotency_key else {}
+    if correlation_id:
+        headers[CORRELATION_HEADER] = str(correlation_id)
     body = json.dumps(email).encode()
-    reply = json.loads((await nc.request(subject, body, timeout=timeout, headers=headers)).data)
+    reply = json.loads((await nc.request(subject, body, timeout=timeout, headers=headers or None)).data)
     if "error" in reply:
         raise error_from_reply(reply)
     return str(reply["message_id"])
@@ -315,6 +333,7 @@ class Sent:
     to: str
     template: str
     ts: float
+    correlation_id: str | None = None
 
 
 @dataclass
@@ -327,6 +346,7 @@ class Request:
     template: str | None
     status: int
     outcome: str
+    correlation_id: str | None = None
 
 
 class ProviderView:
@@ -355,7 +375,7 @@ class ProviderView:
 
     def sent(self, order_id: str | None = None) -> list[Sent]:
         """Every email sent (optionally for one order), oldest first."""
-        sql = "select message_id, order_id, to_addr, template, ts from emails"
+        sql = "select message_id, order_id, to_addr, template, ts, correlation_id from emails"
         args: tuple[Any, ...] = ()
         if order_id is not None:
             sql, args = sql + " where order_id = ?", (order_id,)
@@ -363,7 +383,7 @@ class ProviderView:
 
     def requests(self, order_id: str | None = None) -> list[Request]:
         """Every send request received (optionally for one order), oldest first."""
-        sql = "select ts, order_id, to_addr, template, status, outcome from requests"
+        sql = "select ts, order_id, to_addr, template, status, outcome, correlation_id from requests"
         args: tuple[Any, ...] = ()
         if order_id is not None:
             sql, args = sql + " where order_id = ?", (order_id,)

@@ -27,7 +27,8 @@ a grader or a lesson SIGKILLs it there.
 
 email: pulls status events from `durable` on `stream`; for a final one (confirmed, failed) it sends a
 receipt through module 04's email provider (msglab.world.email_provider; `templates` per status, to
-`<customer>@<domain>`, idempotency key `receipt-<order id>`; TEMPLATES' `payment_failed` is not one the
+`<customer>@<domain>`, idempotency key `receipt-<order id>`, the event's Correlation-Id in the request's
+headers, kept by the provider with the email; TEMPLATES' `payment_failed` is not one the
 provider knows at start: deploy it with the provider's `template` control), then acks; `pending` is acked
 unsent. Module
 04's rule: a 5xx, a 429 or a dropped connection is retried with a nak whose delay grows (`backoff`), a
@@ -289,7 +290,8 @@ async def email(
         email = {"order_id": order_id, "to": f"{body.get('customer') or order_id}@{domain}", "template": chosen[state]}
         delivery = int(msg.metadata.num_delivered)
         try:
-            await ep.send(nc, provider, email, idempotency_key=f"receipt-{order_id}", timeout=send_timeout)
+            await ep.send(nc, provider, email, idempotency_key=f"receipt-{order_id}",
+                          correlation_id=(msg.headers or {}).get(CORRELATION_ID), timeout=send_timeout)  # fmt: skip
         except Exception as error:
             # Module 04's rule, judged from the error alone: a dropped connection, no answer, a 5xx or a 429
             # pass with time; any other answer says the request itself is wrong.
