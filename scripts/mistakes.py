@@ -8,7 +8,8 @@ writes, per lab, what the mistake is (the variant's docstring) and what the grad
     <!-- mistakes:begin -->  ...  <!-- mistakes:end -->
 
 Run it after changing a grader or adding a variant: `.venv/bin/python scripts/mistakes.py`
-(`--check` exits 1 if the guide lists other variants than the course has, without grading).
+(`--labs 06,07` regrades those labs only and keeps the others' sections; `--check` exits 1 if the
+guide lists other variants than the course has, without grading).
 """
 
 from __future__ import annotations
@@ -77,6 +78,21 @@ def listed_in_guide(text: str) -> set[tuple[str, str]]:
     return listed
 
 
+def sections(generated: str) -> dict[str, str]:
+    """The generated section's per-lab blocks ("### Lab NN: ..." up to the next one), by lab number."""
+    blocks = re.split(r"(?m)^(?=### Lab \d+)", generated.split(BEGIN, 1)[1].split(END, 1)[0])
+    return {m.group(1): block for block in blocks if (m := re.match(r"### Lab (\d+)", block))}
+
+
+def keep_others(old: str, new: str, regraded: set[str]) -> str:
+    """`new` with the blocks of the labs not regraded taken from `old`, as they were."""
+    kept = sections(old)
+    for number, block in sections(new).items():
+        if number not in regraded and number in kept:
+            new = new.replace(block, kept[number], 1)
+    return new
+
+
 def grade_all(labs: list[Lab], jobs: int) -> dict[tuple[str, str], tuple[str, str, str, str]]:
     from msglab.grading.grade import grade
 
@@ -101,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check that the guide lists the course's variants")
     parser.add_argument("--jobs", type=int, default=4, help="variants graded at once")
+    parser.add_argument("--labs", default="", help="regrade only these labs (e.g. 06,07); keep the others' sections")
     args = parser.parse_args(argv)
     labs = all_labs(ROOT)
     text = GUIDE.read_text(encoding="utf-8")
@@ -117,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    said = grade_all(labs, args.jobs)
+    only = {n.strip() for n in args.labs.split(",") if n.strip()}
+    said = grade_all([lab for lab in labs if not only or lab.number in only], args.jobs)
     head, rest = text.split(BEGIN, 1)
-    GUIDE.write_text(head + render(labs, said) + rest.split(END, 1)[1], encoding="utf-8")
+    generated = render(labs, said)
+    if only:
+        generated = keep_others(text, generated, only)
+    GUIDE.write_text(head + generated + rest.split(END, 1)[1], encoding="utf-8")
     print(f"wrote {len(said)} mistakes into {GUIDE}", file=sys.stderr)
     return 0
 
