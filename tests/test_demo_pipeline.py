@@ -14,13 +14,16 @@ from typing import Any
 import nats
 import pytest
 
+import msglab
 from msglab.broker.server import EmbeddedServer
 from msglab.demos import pipeline
+from msglab.demos.idempotency import PaymentBench
 from msglab.world.outbox import open_store, place_order
 from msglab.world.relay import Relay
 from msglab.world.status_page import StatusPage
 
 INSERT_ORDER = pipeline.INSERT_ORDER  # a lesson cell's own constant: shipped to the checkout process with its code
+CREDIT = "insert into ledger (payment_id, account, cents) values (:payment_id, :account, :cents)"
 
 
 def test_each_dual_write_breaks_as_taught_and_the_outbox_breaks_neither_way(no_nats_url: None) -> None:
@@ -249,3 +252,49 @@ def test_the_servers_default_duplicate_window_is_read_from_a_stream_made_without
     window, left = asyncio.run(body())
     assert window == pipeline.DEFAULT_WINDOW == 120.0  # nats-server's default: two minutes
     assert pipeline.PROBE_STREAM not in left
+
+
+async def charge_without_key(env: Any, msg: Any) -> None:
+    p = json.loads(msg.data)
+    await env.nc.request(env.gateway, msg.data, timeout=2)
+    env.kill_point("after_charge", p)
+    with env.db:
+        env.db.execute(CREDIT, p)
+    await msg.ack_sync()
+
+
+async def charge_with_key(env: Any, msg: Any) -> None:
+    p = json.loads(msg.data)
+    await env.nc.request(env.gateway, msg.data, timeout=2, headers={"Idempotency-Key": p["payment_id"]})
+    env.kill_point("after_charge", p)
+    with env.db:
+        env.db.execute(CREDIT, p)
+    await msg.ack_sync()
+
+
+def test_the_idempotency_key_alone_stops_every_double_charge_but_not_the_double_credit_of_a_copy(
+    no_nats_url: None,
+) -> None:
+    """Lesson 07's section 3 without the dedup table: the stream holds o-003 twice (a resend past the window) and
+    2 workers die after the charge. Without a key both causes charge again; with the key alone the gateway replays
+    every second request, and the ledger, the worker's own write, still takes o-003 once per stored copy."""
+
+    async def body() -> tuple[pipeline.Twice, pipeline.Twice, int, int]:
+        past = await pipeline.relay_resend(window=0.5, past_window=True)
+        nc, js = await msglab.connect()
+        bench = await PaymentBench.open(nc, js)
+        try:
+            plain, keyed = pipeline.as_payments(past.events, "plain"), pipeline.as_payments(past.events, "keyed")
+            first = await bench.run(charge_without_key, payments=plain, kill={"after_charge": 2})
+            second = await bench.run(charge_with_key, payments=keyed, kill={"after_charge": 2})
+            return pipeline.twice(bench, plain), pipeline.twice(bench, keyed), first.kills, second.kills
+        finally:
+            await bench.close()
+            await nc.close()
+
+    without_key, with_key, kills_without, kills_with = asyncio.run(body())
+    assert kills_without == kills_with == 2  # the same planned kills fired in both runs
+    assert without_key.charged["o-003"] >= 2 and len(without_key.charged) >= 2  # the copy, and each redelivery
+    assert with_key.charged == {}  # the key caught the copy stored twice and the redeliveries alike
+    assert without_key.credited == with_key.credited == {"o-003": 2}  # one ledger row per stored copy
+    assert repr(with_key) == "orders charged twice: none; credited twice: o-003 ×2"

@@ -24,15 +24,18 @@ checkout starts the `Correlation-Id` (the order id) in its outbox rows' headers,
 ack and saving its position, and the next relay publishes that row again. Inside the stream's
 duplicate window the stream drops it (its PubAck says `duplicate`); a relay that stays down longer
 than the window (`window=0.5`: the run waits until the server has forgotten a Msg-Id it saw as the
-relay died) gets it stored twice, and only the consumer's dedup table can catch it then.
-`as_payments(resend.events, tag)` turns what the stream holds into lesson 03's payments, so its bench
-(msglab.demos.idempotency) and gateway replay the double charge; `double_charged(bench, payments)` counts it.
+relay died) gets it stored twice, and the consumer must recognise the copy then (the idempotency key at the
+gateway for the charge, a dedup table for its own writes). `as_payments(resend.events, tag)` turns what the
+stream holds into lesson 03's payments, so its bench (msglab.demos.idempotency) and gateway replay the double
+charge; `double_charged(bench, payments)` counts it, `twice(bench, payments)` the double charges and credits per
+order.
 
 `Shop` is the whole pipeline live: checkout (the notebook) writes the outbox; the course's relay (`python -m
 msglab.demos.pipeline relay`), payments, email and the status page (msglab.world.shop_services), lesson 03's
 gateway and module 04's email provider each run as a process of their own. `stall()`/`release()` stop
 payments' process and start a new one, `crash_payments(order)` SIGKILLs payments between a charge and its ack,
-`watch()` reads lag per consumer and DLQ depth as each order's event is stored, `settled()` waits for the page
+`watch()` reads lag per consumer and DLQ depth once each order's event is stored (it asks the stream every 5 ms
+until its last event is that order's), `settled()` waits for the page
 and the consumers, `trace()` rebuilds one order's path (the stream, the page's pushes, the gateway's and the
 provider's records), `receipts()` reads the provider's; `close()` stops every process and removes the streams
 and folders.
@@ -408,7 +411,7 @@ class Resend:
 
     @property
     def stored_twice(self) -> list[str]:
-        """Msg-Ids the stream holds more than once: only the consumer's dedup table can catch these."""
+        """Msg-Ids the stream holds more than once: past the stream, only the consumer can recognise these."""
         return sorted((k for k, n in self.copies.items() if n > 1), key=int)
 
     def __repr__(self) -> str:
@@ -485,6 +488,39 @@ def double_charged(bench: Any, payments: Sequence[dict[str, Any]]) -> dict[str, 
         c.reference for c in GatewayView(bench.gateway_db, "", KEY_WINDOW).charges() if c.reference in ids
     )
     return {str(pid): n for pid, n in sorted(charges.items()) if n > 1}
+
+
+@dataclass(frozen=True)
+class Twice:
+    """One payments run's double effects, per order: charges at lesson 03's gateway (its own store) and rows in
+    the shop's ledger, each only where there is more than one."""
+
+    charged: dict[str, int]  # order id -> charges, for orders charged more than once
+    credited: dict[str, int]  # order id -> ledger rows, for orders credited more than once
+
+    def __repr__(self) -> str:
+        def shown(counts: dict[str, int]) -> str:
+            return ", ".join(f"{oid} ×{n}" for oid, n in counts.items()) or "none"
+
+        return f"orders charged twice: {shown(self.charged)}; credited twice: {shown(self.credited)}"
+
+
+def twice(bench: Any, payments: Sequence[dict[str, Any]]) -> Twice:
+    """The orders (of these payments, `<tag>-<order id>` as `as_payments` names them) that lesson 03's gateway
+    charged more than once and the shop's ledger credited more than once, read from the gateway's and the
+    ledger's own records; a copy the stream stored twice is one order, counted once."""
+    from msglab.world.payments import ledger_counts
+
+    ids = sorted({str(p["payment_id"]) for p in payments})
+    rows = ledger_counts(bench.db_path, ids)
+
+    def order(pid: str) -> str:
+        return pid.split("-", 1)[1]
+
+    return Twice(
+        {order(pid): n for pid, n in double_charged(bench, payments).items()},
+        {order(pid): rows[pid] for pid in ids if rows[pid] > 1},
+    )
 
 
 async def default_duplicate_window(js: Any) -> float:
