@@ -84,6 +84,7 @@ SUBJECT = "orders.placed"
 PROBE = "orders.probe"  # the run's own marker for "has the server forgotten a Msg-Id this old?"
 DEFAULT_WINDOW = 120.0  # seconds: JetStream's default duplicate window
 CALL_TIMEOUT = 10.0  # the longest one checkout request may take (a loaded machine; it takes milliseconds)
+READY_TIMEOUT = 30.0  # seconds a service process may take to say ready (a starved machine imports slowly)
 SANDBOX = "a lesson's own experiment, run as the notebook's user"
 
 
@@ -709,7 +710,7 @@ def _ready(name: str, proc: subprocess.Popen[bytes], timeout: float) -> Service:
     return Service(name, proc, ready)
 
 
-def start_relay(url: str, db_path: str, *, poll: float = 0.02, ready_timeout: float = CALL_TIMEOUT) -> Service:
+def start_relay(url: str, db_path: str, *, poll: float = 0.02, ready_timeout: float = READY_TIMEOUT) -> Service:
     """The course's relay (msglab.world.relay) on the shop's database, as a process of its own:
     `python -m msglab.demos.pipeline relay`, its options on stdin (no URL, hence no credentials, on a command line)."""
     from msglab.broker.server import die_with_parent
@@ -836,9 +837,14 @@ class Shop:
         if name == "relay":
             return start_relay(self.url, self.path)
         if name == "gateway":
-            return gateway.start(self.url, db_path=os.path.join(self.folder, "gateway.sqlite"), prefix=GATEWAY)
+            return gateway.start(
+                self.url,
+                db_path=os.path.join(self.folder, "gateway.sqlite"),
+                prefix=GATEWAY,
+                ready_timeout=READY_TIMEOUT,
+            )
         if name == "provider":
-            return email_provider.start(self.url, prefix=PROVIDER)
+            return email_provider.start(self.url, prefix=PROVIDER, ready_timeout=READY_TIMEOUT)
         options: dict[str, dict[str, Any]] = {
             "payments": {
                 "stream": LIVE_STREAM, "durable": DURABLES[0], "gateway": f"{GATEWAY}.charge",
