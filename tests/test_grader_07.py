@@ -8,13 +8,16 @@ import asyncio
 import contextlib
 import json
 import os
+import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from msglab.catalog import course_root
 from msglab.graders import pipeline
 from msglab.graders.pipeline import Shop, Stored, _one_transaction_check, _published_once_check, _untested
-from msglab.grading.harness import Run
+from msglab.grading.harness import Reply, Run
 from msglab.grading.scaffold import HeldSpawns
 from msglab.grading.verdict import Check
 from msglab.world.outbox import SCHEMA, place_order
@@ -124,9 +127,103 @@ def test_with_nothing_committed_one_transaction_says_untested_but_an_outbox_row_
 
 def test_the_order_killed_mid_transaction_found_whole_at_the_end_is_a_phantom() -> None:
     shop = Shop({"o-1", "o-2"}, {1: "o-1", 2: "o-2"}, {})
-    check = pipeline._phantom_check(pipeline.Pipeline(None), shop, "o-2", lambda o: [])  # type: ignore[arg-type]
+    orders = _placed("o-1", "o-2")
+    orders.torn = "o-2"
+    check = pipeline._phantom_check(pipeline.Pipeline(None), shop, orders, lambda o: [])  # type: ignore[arg-type]
     assert not check.passed and "something other than checkout wrote them" in check.message, check.message
-    assert pipeline._phantom_check(pipeline.Pipeline(None), shop, "", lambda o: []).passed  # type: ignore[arg-type]
+    orders.torn = ""
+    assert pipeline._phantom_check(pipeline.Pipeline(None), shop, orders, lambda o: []).passed  # type: ignore[arg-type]
+
+
+def test_an_order_the_grader_never_placed_in_the_shop_is_a_phantom_whoever_wrote_it() -> None:
+    shop = Shop({"o-1", "o-999"}, {1: "o-1", 2: "o-999"}, {})
+    check = pipeline._phantom_check(pipeline.Pipeline(None), shop, _placed("o-1"), lambda o: [])  # type: ignore[arg-type]
+    assert not check.passed and "never placed (o-999)" in check.message, check.message
+
+
+def test_a_checkout_that_hung_fails_orders_committed_but_one_the_grader_killed_does_not() -> None:
+    orders = _placed("o-001", "o-002")
+    orders.placed["o-001"] = (0.0, "t-1", Reply(ok=False, elapsed=5.0, gone=True))
+    shop = Shop({"o-001", "o-002"}, {1: "o-001", 2: "o-002"}, {})
+    assert pipeline._committed_check(orders, shop, lambda o: []).passed
+    orders.placed["o-002"] = (0.0, "t-2", Reply(ok=False, elapsed=5.0, hung=True))
+    orders.stalled = "o-002"
+    check = pipeline._committed_check(orders, shop, lambda o: [])
+    assert not check.passed and "checkout of o-002 did not return within 5.0 s" in check.message, check.message
+
+
+def _placed(*ids: str) -> pipeline.Orders:
+    orders = pipeline.Orders(None, {})  # type: ignore[arg-type]
+    orders.placed = {o: (0.0, f"t-{o}", Reply(ok=True, elapsed=0.01)) for o in ids}
+    return orders
+
+
+class _Told:
+    def __init__(self) -> None:
+        self.tables: list[str] = []
+
+    def call(self, name: str, key: object = None, **detail: object) -> None:
+        self.tables.append(str(detail.get("table")))
+
+
+def test_the_relay_s_connection_writes_positions_only_and_never_the_schema(tmp_path: Path) -> None:
+    path = str(tmp_path / "shop.sqlite")
+    with contextlib.closing(open_shop(path)) as db:
+        db.executescript(SCHEMA)
+    told = _Told()
+    db = pipeline._open_store(path, told, "relay")
+    refused = []
+    for sql in (
+        "create table my_position (outbox_id integer)",
+        "create temp table t (x integer)",
+        "create index i on positions (outbox_id)",
+        "create trigger tr after insert on positions begin select 1; end",
+        "create view v as select * from positions",
+        "drop table orders",
+        "insert into orders (id, customer, cents) values ('o-999', 'c', 1)",
+        "delete from sqlite_sequence",
+    ):
+        with contextlib.suppress(sqlite3.DatabaseError):
+            db.execute(sql)
+            continue
+        refused.append(sql)
+    with db:
+        db.execute("insert into positions (relay, outbox_id) values ('r', 1)")
+    db.close()
+    assert len(refused) == 8, refused
+    assert told.tables == ["positions"]
+
+
+GUARDED = """
+import os, subprocess, sqlite3, sys
+from msglab.graders import pipeline
+pipeline.before_learner("relay")
+tries = {
+    "connect": lambda: sqlite3.connect(sys.argv[1]),
+    "open_store without the grader": lambda: pipeline._open_store(sys.argv[1], None, "relay"),
+    "open_store as checkout": lambda: pipeline._open_store(sys.argv[1], object(), "checkout"),
+    "subprocess": lambda: subprocess.run(["true"]),
+    "fork": os.fork,
+    "system": lambda: os.system("true"),
+    "file write": lambda: open(sys.argv[1] + ".pos", "w"),
+}
+for name, attempt in tries.items():
+    try:
+        attempt()
+    except PermissionError:
+        continue
+    print("ALLOWED", name)
+open(sys.argv[1]).close()  # reading is fine
+print("done")
+"""
+
+
+def test_a_learner_process_is_guarded_before_its_file_runs(tmp_path: Path) -> None:
+    path = tmp_path / "shop.sqlite"
+    with contextlib.closing(open_shop(str(path))) as db:
+        db.executescript(SCHEMA)
+    out = subprocess.run([sys.executable, "-c", GUARDED, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "done", out.stdout + out.stderr
 
 
 def _orders(cents: dict[str, int]) -> pipeline.Orders:

@@ -12,21 +12,26 @@ fewer per verdict), their stores in a 0700 folder of the grader's; no service ge
 its command line.
 
 Workload (seeded): payments, email and the page start together; the email provider is down from the first
-receipt for EMAIL_OUTAGE s; one of orders 1, 5-9 is over the card limit. Orders go through checkout one at
-a time; a checkout process is SIGKILLed before its first write to a second table of one order (between its
-two writes), another right after one order's commit, before checkout returns (the next order goes to a
-fresh process); once the stream stored the k-th row, the first relay is SIGKILLed on its next write to
-`positions` if its saved position lags behind the stream (after the ack, before the save), or else, the
-stream refusing publishes, on its next publish (after a save, before the ack); it is kept down until a
-probe in a stream of its own with the same duplicate window is forgotten; more orders arrive meanwhile; a
-second relay takes over. The first payments process, after charging its 2nd-4th delivery, says so on a
-core subject and waits, holding it unacked: the grader SIGKILLs it there and starts a fresh one (the event
-is delivered again and the gateway replays the charge). More orders while the stream refuses publishes,
-and the server restarts once the relay has tried one; then everything must drain. Writes are told by
-SQLite itself (an authorizer on the connection `env.open_store()` gives; no other SQLite connection in the
-learner's processes). Judged on the grader's own records: the shop's database (read-only), what the
-streams stored (events, statuses, dead letters), the gateway's charges, the provider's sent mail, and the
-page's GET /orders at the end.
+receipt for EMAIL_OUTAGE s; one of orders 1, 5-9 is over the card limit. Orders go through checkout one at a
+time; a checkout process is SIGKILLed before its first write to a second table of one order (between its two
+writes), another right after one order's commit, before checkout returns (the next order goes to a fresh
+process); once the stream stored the k-th row, the first relay is SIGKILLed on its next write to `positions`
+if its saved position lags behind the stream (after the ack, before the save), or else, the stream refusing
+publishes, on its next publish (after a save, before the ack); it is kept down until a probe in a stream of
+its own with the same duplicate window is forgotten; more orders arrive meanwhile; a second relay takes over.
+Once it published everything it is stopped, and past another window a third relay starts and one more order is
+placed: a relay that re-sends its saved row or the stream's last one, wherever it keeps its position, stores
+it twice. A checkout that does not return (no planned kill hangs one) fails orders_committed and ends the
+orders. The first payments process, after charging its 2nd-4th delivery, says so on a core subject and waits,
+holding it unacked: the grader SIGKILLs it there and starts a fresh one (the event is delivered again and the
+gateway replays the charge). More orders while the stream refuses publishes, and the server restarts once the
+relay has tried one; then everything must drain. Writes are told by SQLite itself (an authorizer on the
+connection `env.open_store()` gives; no other SQLite connection in the learner's processes, refused by an
+audit hook in place before the learner's file is imported, which also refuses new processes and file writes;
+the authorizer refuses any schema change and any write outside the role's tables). Judged on the grader's own
+records: the shop's database (read-only; an order the grader never placed is a phantom), what the streams
+stored (events, statuses, dead letters), the gateway's charges, the provider's sent mail, and the page's GET
+/orders at the end.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import sqlite3
 import sys
 import tempfile
@@ -95,7 +101,13 @@ OVER_LIMIT = (1, 5, 6, 7, 8, 9)
 WRITES = {"checkout": ("orders", "outbox"), "relay": ("positions",)}
 TABLES = ("orders", "outbox", "positions")
 _WRITE_ACTIONS = (sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE)
-_SCHEMA_ACTIONS = (sqlite3.SQLITE_DROP_TABLE, sqlite3.SQLITE_ALTER_TABLE, sqlite3.SQLITE_ATTACH)
+# The schema is the course's: no table, index, trigger, view (temporary or not) made, changed or dropped, no
+# other database attached (a position kept elsewhere than `positions` would hide where the kill must land).
+_SCHEMA_ACTIONS = frozenset(
+    getattr(sqlite3, name)
+    for name in dir(sqlite3)
+    if name.startswith(("SQLITE_CREATE_", "SQLITE_DROP_")) or name in ("SQLITE_ALTER_TABLE", "SQLITE_ATTACH")
+)
 
 
 class _Reported(sqlite3.Connection):
@@ -121,14 +133,14 @@ class _Reported(sqlite3.Connection):
         raise PermissionError("the shop's database keeps the course's callbacks")
 
     def _authorize(self, action: int, table: str | None, *_: Any) -> int:
-        if table not in TABLES:
-            return sqlite3.SQLITE_OK
-        if action in _SCHEMA_ACTIONS:
+        if action in _SCHEMA_ACTIONS or (action in _WRITE_ACTIONS and str(table).startswith("sqlite_")):
+            self.refused = "the shop's schema is the course's: no table, index, trigger or view is made or changed"
             return sqlite3.SQLITE_DENY
         if action not in _WRITE_ACTIONS:
             return sqlite3.SQLITE_OK
-        if table not in WRITES.get(self.role, TABLES):
-            self.refused = f"the {self.role} writes only {' and '.join(WRITES[self.role])}, not {table}"
+        allowed = WRITES.get(self.role, TABLES)
+        if table not in allowed:  # any other table (sqlite_master too): the role writes only its own
+            self.refused = f"the {self.role} writes only {' and '.join(allowed)}, not {table}"
             return sqlite3.SQLITE_DENY
         if table not in self.seen:
             self.seen.add(table)
@@ -200,22 +212,43 @@ def _open_store(path: str, world: Any, role: str) -> sqlite3.Connection:
 
 
 _GUARDED: list[bool] = []
+# A process of the learner's starts no other: a child's writes and publishes would escape the authorizer and the
+# grader's kills (a relay in a session of its own outlives the SIGKILL of its process group).
+_SPAWNS = frozenset(
+    {"subprocess.Popen", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "pty.spawn"}
+)
 
 
-def _only_through_open_store() -> None:
-    """In a learner process, before its role's code runs: an audit hook (which cannot be removed) refuses
-    every SQLite connection not opened by env.open_store(), so no write escapes the authorizer."""
+def before_learner(role: str) -> None:
+    """In a learner process, before the learner's file is imported (runner.amain): an audit hook (which cannot
+    be removed) refuses every SQLite connection not opened by env.open_store() with the grader's authorizer,
+    and every new process, so no write escapes the authorizer, not even one made at import time."""
     if _GUARDED:
         return
     _GUARDED.append(True)
     store = _open_store.__code__
+    with contextlib.suppress(ImportError):  # fork_exec raises no audit event of its own: closed here
+        import _posixsubprocess
+
+        def refused(*_: Any) -> Any:
+            raise PermissionError("lab 07's processes start no other process")
+
+        _posixsubprocess.fork_exec = refused
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event in _SPAWNS or event == "ctypes.dlopen" or (event == "import" and args[0] == "_posixsubprocess"):
+            raise PermissionError(f"lab 07's processes start no other process nor load C libraries ({event})")
+        if event == "open" and args[0] != os.devnull and _writes(args):  # a position in a file: out of sight
+            raise PermissionError(
+                f"lab 07's processes write no file ({args[0]}): the relay keeps its position in `positions`"
+            )
         if event != "sqlite3.connect":
             return
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code is store:
+            # env.open_store() itself, for this process's role (its partial's func, called with no world
+            # or another role, would open the database without the role's authorizer)
+            if frame.f_code is store and frame.f_locals.get("world") is not None and frame.f_locals["role"] == role:
                 return
             frame = frame.f_back  # type: ignore[assignment]
         raise PermissionError("lab 07's processes open the shop's database with env.open_store() only")
@@ -223,13 +256,24 @@ def _only_through_open_store() -> None:
     sys.addaudithook(hook)
 
 
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _writes(args: tuple[Any, ...]) -> bool:
+    """Whether an `open` audit event (path, mode, flags) opens a file for writing."""
+    mode, flags = (*args, None, None)[1:3]
+    return (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+        isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+    )
+
+
 def _env(env: Any, role: str = "") -> None:
     """What every process of the lab is handed besides connections and names: the shop's database."""
     path = env.params.get("db", "shop.sqlite")
     path = path if os.path.isabs(path) else os.path.join(os.environ.get("HOME", "."), path)
     world = getattr(env, "world", None)
-    if world is not None:  # a learner process (the zygote imported this module before any role was known)
-        _only_through_open_store()
+    if world is not None:  # a learner process: guarded already (before_learner), unless an older runner ran it
+        before_learner(role)
     env.db_path, env.open_store = path, functools.partial(_open_store, path, world, role)
 
 
@@ -253,7 +297,9 @@ async def role_relay(env: Any, learner: Any) -> None:
 async def playground(env: Any) -> None:
     """For a notebook: the stream (short duplicate window) and the shop's database, in the run's names."""
     await _provision(env.js, env.names)
-    env.params["db"] = os.path.join(tempfile.mkdtemp(prefix="msglab-lab07-"), "shop.sqlite")  # a fresh shop
+    folder = tempfile.mkdtemp(prefix="msglab-lab07-")  # a fresh shop, removed by msglab.playground_close
+    env.on_close = [functools.partial(shutil.rmtree, folder, ignore_errors=True)]
+    env.params["db"] = os.path.join(folder, "shop.sqlite")
     _env(env)
     db = open_shop(env.db_path)
     db.executescript(SCHEMA)
@@ -607,6 +653,7 @@ async def grade(run: Run) -> list[Check]:
     phase, orders = Phases(run), Orders(run, params)
     relays.prepare(2)
     down, restarted = 0.0, 0.0
+    shown: dict[str, str] | None = None
     try:
         async with phase("orders, a checkout killed"):
             released = await relays.release()
@@ -637,27 +684,43 @@ async def grade(run: Run) -> list[Check]:
                 await orders.place()
             second = await relays.release()
             assert second is not None
+            relays.prepare(1)
             await run.wait_for(lambda: _either(gone(second), _published(pipe, orders)), DEADLINE)
+        # Where a relay keeps its position, and when it saves it, the grader cannot see: its behaviour it can.
+        # Stopped once idle, started again past the window, a relay must publish the next order alone: one
+        # that re-sends its saved row or the stream's last (the row it saved before its publish) stores it twice.
+        async with phase("relay restarted past the duplicate window"):
+            current = second
+            if not gone(second):
+                await relays.stop(second)
+                await _past_window(run, max(attempts, default=0.0))
+                third = await relays.release()
+                current = third if third is not None else second
+            await orders.place()
+            await run.wait_for(lambda: _either(gone(current), _published(pipe, orders)), DEADLINE)
         # The restart lands while the relay is publishing: the stream refuses publishes, rows wait in the
         # outbox, and once the relay has tried one of them the server goes away and comes back.
         async with phase("server restart"), refuse_publishes(run.js, run.names.stream(STREAM)):
             mark, before = len(attempts), set(orders.placed)
             for _ in range(ORDERS[2]):
-                await orders.place(CALL_TIMEOUT / 2)  # a checkout that waits on the stream here is not waited out
+                await orders.place(CALL_TIMEOUT / 2, refused=True)  # one waiting on the stream: not waited out
                 if orders.placed[max(orders.placed)][2].hung:  # a checkout waiting on the stream: no more orders
                     break
             if _publishable(orders.read()) - before:  # rows wait (the stream refuses them): the relay tries one
-                await run.wait_for(lambda: len(attempts) > mark or gone(second), DEADLINE)
+                await run.wait_for(lambda: len(attempts) > mark or gone(current), DEADLINE)
             restarted = await run.restart_broker()
         async with phase("drain"):
             # DRAIN_FIRST, and on while payments keeps charging or email keeps sending: a loaded machine
             # after the restart is slow, not wrong (rule 8), within the run's budget.
             await while_moving(
-                run, lambda: _either(gone(second), _settled(pipe, orders)), lambda: _moved(pipe), DRAIN_FIRST,
+                run, lambda: _either(gone(current), _settled(pipe, orders)), lambda: _moved(pipe), DRAIN_FIRST,
                 stall=STALL, deadline=time.monotonic() + DRAIN_CAP,
             )  # fmt: skip
             await run.wait_for(lambda: pipe.payments_killed is not None and pipe.payments_killed.fired, 0.1)
         shown = await pipe.shown()  # what the page ends showing: read before any service stops
+    except _Stalled:  # judged on what the grader has: checkout never answered a customer
+        if not relay_kill.fired:
+            relay_kill.seen = f"the grader placed no more orders once checkout of {orders.stalled} did not return"
     finally:
         await watch.unsubscribe()
         await held_sub.unsubscribe()
@@ -680,7 +743,7 @@ async def grade(run: Run) -> list[Check]:
     await pipe.read_services()
     db = orders.read()
     trace = functools.partial(_trace, run, pipe, orders, down, restarted, charges)
-    phantom = _phantom_check(pipe, db, orders.torn, trace)  # meaningful with no order committed too
+    phantom = _phantom_check(pipe, db, orders, trace)  # meaningful with no order committed too
     downstream = [
         _lost_check(pipe, db, orders, trace),
         _published_once_check(pipe.stored, db, down, trace),
@@ -689,7 +752,10 @@ async def grade(run: Run) -> list[Check]:
         _status_check(pipe, shown, db, orders, trace),
         _receipts_check(pipe, sent, shown, db, orders, trace),
     ]
-    if not db.orders:  # nothing committed: a pass here would claim what no evidence shows (rule 7)
+    if orders.stalled:  # the run stopped early: what follows a checkout was never all exercised
+        why = f"checkout of {orders.stalled} did not return, so the grader placed no more orders"
+        downstream = [_untested(c, why) for c in downstream]
+    elif not db.orders:  # nothing committed: a pass here would claim what no evidence shows (rule 7)
         downstream = [_untested(c) for c in downstream]
     return [_committed_check(orders, db, trace), _one_transaction_check(db, trace), phantom, *downstream]
 
@@ -700,15 +766,17 @@ async def _end_refusal(armed: list[Any]) -> None:
         await armed.pop().__aexit__(None, None, None)
 
 
-def _untested(check: Check) -> Check:
+def _untested(check: Check, why: str = "") -> Check:
     return Check(
         check.name,
         check.title,
         False,
+        f"untested: {why}." if why else
         "untested: no order was committed, so there was nothing to commit together, nor anything to reach the "
         "stream, payments, email or the page.",
-        hint="make checkout commit each order with its outbox row first",
-    )
+        hint="make checkout return once the order and its outbox row are committed" if why else
+        "make checkout commit each order with its outbox row first",
+    )  # fmt: skip
 
 
 PURGE_SLACK = 0.2  # seconds between ORDERS' last publish and the probe's (see _past_window)
@@ -734,6 +802,10 @@ async def _past_window(run: Run, last_publish: float) -> None:
     await run.wait_for(forgotten, 4 * WINDOW + DEADLINE)
 
 
+class _Stalled(Exception):
+    """A checkout did not return: the grader places no more orders and judges what it has."""
+
+
 @dataclass
 class Orders:
     """The orders the grader places through the learner's checkout, one process at a time."""
@@ -748,6 +820,7 @@ class Orders:
     tearing: rules.Planned | None = None  # the kill between the two tables' writes of the order being placed
     tables: list[str] = field(default_factory=list)  # the tables the order being placed wrote so far
     cents: dict[str, int] = field(default_factory=dict)  # order id -> its amount
+    stalled: str = ""  # the order whose checkout did not return (no planned kill hangs one): no more orders
 
     async def on_write(self, child: Child, table: str, call: int) -> None:
         """A checkout's write to `table`: the planned kill lands before its first write to a second table."""
@@ -761,7 +834,9 @@ class Orders:
         elif table not in self.tables:
             self.tables.append(table)
 
-    async def place(self, timeout: float = CALL_TIMEOUT) -> None:
+    async def place(self, timeout: float = CALL_TIMEOUT, refused: bool = False) -> None:
+        """Place the next order; `refused`: the stream refuses publishes now (a checkout waiting on it is cut
+        short, dual_write's fault, not a hang). Raises _Stalled once a checkout did not return otherwise."""
         if self.checkout is None or not self.checkout.alive:
             self.checkout = await self.run.spawn("checkout", params=self.params)
         n = len(self.placed) + 1
@@ -787,6 +862,9 @@ class Orders:
             wrote = " and ".join(self.tables) or "no table"
             self.tearing.seen = f"checkout of {order['id']} wrote to {wrote} through env.open_store()"
         self.tearing = None
+        if reply.hung and not refused:
+            self.stalled = str(order["id"])
+            raise _Stalled
         if reply.gone or reply.hung:
             self.killed.append(str(order["id"]))
             self.torn = str(order["id"]) if torn else self.torn
@@ -952,7 +1030,11 @@ def _committed_check(orders: Orders, shop: Shop, trace: Any) -> Check:
     if shop.error:
         return Check("orders_committed", title, False, shop.error + ".", hint="open the shop with env.open_store()")
     missing = [o for o, (_, _, r) in orders.placed.items() if r.ok and o not in shop.orders]
-    failed = [(o, r) for o, (_, _, r) in orders.placed.items() if not r.ok and not (r.gone or r.hung)]
+    # A checkout the grader killed is excused; one that hung is not, unless the stream refused publishes then
+    failed = [
+        (o, r) for o, (_, _, r) in orders.placed.items()
+        if not r.ok and not (r.gone or (r.hung and o != orders.stalled))
+    ]  # fmt: skip
     if failed:
         o, r = failed[0]
         return Check(
@@ -1039,9 +1121,19 @@ def _lost_check(pipe: Pipeline, shop: Shop, orders: Orders, trace: Any) -> Check
     )  # fmt: skip
 
 
-def _phantom_check(pipe: Pipeline, shop: Shop, torn: str, trace: Any) -> Check:
+def _phantom_check(pipe: Pipeline, shop: Shop, orders: Orders, trace: Any) -> Check:
+    torn = orders.torn
     title = "no event for an order that was never committed"
     phantom = sorted({s.order_id for s in pipe.stored if s.order_id not in shop.orders})
+    unplaced = sorted(shop.orders - set(orders.placed))
+    if unplaced:  # the grader's records: every order it placed went through checkout
+        o = unplaced[0]
+        return Check(
+            "no_phantom_events", title, False,
+            f"the shop's database holds {plural(len(unplaced), 'order')} the grader never placed ({o}): something"
+            " other than checkout wrote them.",
+            trace=trace(o), hint="only checkout writes orders and outbox rows, for the orders it is given",
+        )  # fmt: skip
     if torn and torn in shop.orders and torn in set(shop.outbox.values()):
         return Check(
             "no_phantom_events", title, False,

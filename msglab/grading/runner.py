@@ -143,6 +143,9 @@ async def amain(channel: Channel) -> int:
     role = os.environ["MSGLAB_ROLE"]
     grader = importlib.import_module(os.environ["MSGLAB_GRADER"])
     world = World(int(os.environ["MSGLAB_FX_FD"]), grader)
+    guard = getattr(grader, "before_learner", None)  # a lab's guards, in place before the learner's file runs
+    if guard is not None:
+        guard(role)
     try:
         learner = load_learner(path)
     except BaseException as exc:  # a broken file is a verdict, reported as data

@@ -31,5 +31,7 @@ async def playground(key: str, solution: bool = False) -> tuple[LabEnv, ModuleTy
 
 async def close(env: Any) -> None:
     """Delete what the playground created and close its connection."""
+    for undo in getattr(env, "on_close", []):  # what a grader's playground made besides streams (a folder)
+        undo()
     await delete_streams(env.js, env.names.stream(""))
     await env.nc.close()
