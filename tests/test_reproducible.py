@@ -23,10 +23,10 @@ KNOWN_RACES: dict[str, str] = {}
 
 # Labs whose judgements still follow the machine's timing: their files are graded, not yet held to it.
 IN_FLUX = {
-    "05": "idle, no lab 05 file flips (38 of 38 pairs the same); beside two busy loops and four gradings 3 of 20 wrong"
-    " files did on seed 7: refuses_over_budget (age_without_subject), faults_fired and stored_once (outbox_in_memory:"
-    " whether intake A reached its planned kill), refuses_only_over_budget (refuses_early, near its limit): lab 05"
-    " judges ages and rates, which a starved machine stretches",
+    "05": "intake A's kill lands in a calm step, refuses_over_budget is judged on it, and keeping up gives about 20"
+    " clearly needless refusals: age_without_subject, refuses_early and outbox_in_memory's kill no longer flip (0 of"
+    " 16 pairs beside a busy loop, seeds 1-8); outbox_in_memory still flipped stored_once on seed 1 (1 of 8 pairs):"
+    " whether the stream's silent refusal met a publish of its background task, whose pace the machine sets",
 }
 
 
