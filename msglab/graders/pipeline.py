@@ -27,11 +27,11 @@ holding it unacked: the grader SIGKILLs it there and starts a fresh one (the eve
 gateway replays the charge). More orders while the stream refuses publishes, and the server restarts once the
 relay has tried one; then everything must drain. Writes are told by SQLite itself (an authorizer on the
 connection `env.open_store()` gives; no other SQLite connection in the learner's processes, refused by an
-audit hook in place before the learner's file is imported, which also refuses new processes and file writes;
-the authorizer refuses any schema change and any write outside the role's tables). Judged on the grader's own
-records: the shop's database (read-only; an order the grader never placed is a phantom), what the streams
-stored (events, statuses, dead letters), the gateway's charges, the provider's sent mail, and the page's GET
-/orders at the end.
+audit hook in place before the learner's file is imported, which also refuses new processes and the relay's
+file writes; the authorizer refuses any schema change and any write outside the role's tables). Judged on the
+grader's own records: the shop's database (read-only; an order the grader never placed is a phantom), what the
+streams stored (events, statuses, dead letters), the gateway's charges, the provider's sent mail, and the
+page's GET /orders at the end.
 """
 
 from __future__ import annotations
@@ -238,9 +238,10 @@ def before_learner(role: str) -> None:
     def hook(event: str, args: tuple[Any, ...]) -> None:
         if event in _SPAWNS or event == "ctypes.dlopen" or (event == "import" and args[0] == "_posixsubprocess"):
             raise PermissionError(f"lab 07's processes start no other process nor load C libraries ({event})")
-        if event == "open" and args[0] != os.devnull and _writes(args):  # a position in a file: out of sight
+        # a relay's position in a file would be out of the kills' sight (checkout may write files: no position)
+        if role == "relay" and event == "open" and args[0] != os.devnull and _writes(args):
             raise PermissionError(
-                f"lab 07's processes write no file ({args[0]}): the relay keeps its position in `positions`"
+                f"lab 07's relay writes no file ({args[0]}): the relay keeps its position in `positions`"
             )
         if event != "sqlite3.connect":
             return

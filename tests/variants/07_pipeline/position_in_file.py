@@ -1,6 +1,6 @@
 """The lesson's relay (it resumes from its saved position alone, never asks the stream), its position kept in
 a file first and then in `positions`, so a kill before the `positions` write would land after the file's.
-Lab 07's processes write no file: the open is refused.
+Lab 07's relay writes no file: the open is refused.
 
 Expect: fail no_unplanned_deaths
 Says: write no file
