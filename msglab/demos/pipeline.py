@@ -31,7 +31,7 @@ charge; `double_charged(bench, payments)` counts it, `twice(bench, payments)` th
 order.
 
 `Shop` is the whole pipeline live: checkout (the notebook) writes the outbox; the course's relay (`python -m
-msglab.demos.pipeline relay`), payments, email and the status page (msglab.world.shop_services), lesson 03's
+msglab.world.shop_services relay`), payments, email and the status page (msglab.world.shop_services), lesson 03's
 gateway and module 04's email provider each run as a process of their own. `stall()`/`release()` stop
 payments' process and start a new one, `crash_payments(order)` SIGKILLs payments between a charge and its ack,
 `watch()` reads lag per consumer and DLQ depth once each order's event is stored (it asks the stream every 5 ms
@@ -44,13 +44,9 @@ and folders.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -77,14 +73,13 @@ from msglab.world.outbox import (
     place_order,
 )
 from msglab.world.relay import MSG_ID, Relay
-from msglab.world.shop_services import CARD_LIMIT, TEMPLATES, Service
+from msglab.world.shop_services import CARD_LIMIT, READY_TIMEOUT, TEMPLATES, Service
 
 STREAM = "ORDERS"
 SUBJECT = "orders.placed"
 PROBE = "orders.probe"  # the run's own marker for "has the server forgotten a Msg-Id this old?"
 DEFAULT_WINDOW = 120.0  # seconds: JetStream's default duplicate window
 CALL_TIMEOUT = 10.0  # the longest one checkout request may take (a loaded machine; it takes milliseconds)
-READY_TIMEOUT = 30.0  # seconds a service process may take to say ready (a starved machine imports slowly)
 SANDBOX = "a lesson's own experiment, run as the notebook's user"
 
 
@@ -692,59 +687,11 @@ def _url(nc: Any) -> str:
     return str(connected.geturl())
 
 
-def _ready(name: str, proc: subprocess.Popen[bytes], timeout: float) -> Service:
-    """Wait for the process's `ready` line, as msglab.world.shop_services does for its own."""
-    import select
+def start_relay(url: str, db_path: str, *, poll: float = 0.02) -> Service:
+    """The course's relay (msglab.world.relay) on the shop's database, as a process of its own (shop_services)."""
+    from msglab.world import shop_services
 
-    assert proc.stdout is not None
-    readable, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if readable else b""
-    try:
-        ready = json.loads(line)
-    except ValueError:
-        ready = {}
-    if not isinstance(ready, dict) or ready.get("event") != "ready":
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"the {name} process did not start (it said {line!r})")
-    return Service(name, proc, ready)
-
-
-def start_relay(url: str, db_path: str, *, poll: float = 0.02, ready_timeout: float = READY_TIMEOUT) -> Service:
-    """The course's relay (msglab.world.relay) on the shop's database, as a process of its own:
-    `python -m msglab.demos.pipeline relay`, its options on stdin (no URL, hence no credentials, on a command line)."""
-    from msglab.broker.server import die_with_parent
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "msglab.demos.pipeline", "relay"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-    )  # fmt: skip
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps({"url": url, "db_path": db_path, "poll": poll}).encode() + b"\n")
-    proc.stdin.close()
-    return _ready("relay", proc, ready_timeout)
-
-
-async def _relay(options: dict[str, Any]) -> None:
-    """The relay process's life: connect, say ready, publish the outbox for ever."""
-    import nats
-
-    from msglab.broker import tls_options
-
-    async def quiet(_: Exception) -> None:
-        """A server that restarts is reconnected to: nothing to print."""
-
-    url = str(options["url"])
-    nc = await nats.connect(
-        url, name="msglab-relay", max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet,
-        **tls_options(url),
-    )  # fmt: skip
-    relay = Relay(open_store(str(options["db_path"])), nc.jetstream(), poll=float(options.get("poll", 0.02)))
-    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
-    try:
-        await relay.run()
-    finally:
-        await nc.close()
+    return shop_services.start("relay", url, db_path=db_path, poll=poll)
 
 
 @dataclass(frozen=True)
@@ -1086,18 +1033,3 @@ class Shop:
         self.db.close()
         await delete_streams(self.js, "LESSON07_")
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m msglab.demos.pipeline relay`: the shop's relay, its options as one JSON line on stdin."""
-    args = sys.argv[1:] if argv is None else argv
-    if args != ["relay"]:
-        sys.exit("usage: python -m msglab.demos.pipeline relay < options.json")
-    options = json.loads(sys.stdin.readline())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        asyncio.run(_relay(options))
-
-
-if __name__ == "__main__":
-    main()

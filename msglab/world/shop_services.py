@@ -1,4 +1,5 @@
-"""Module 07's shop services, each a process of its own on the course's server: payments, email, the status page.
+"""Module 07's shop services, each a process of its own on the course's server: payments, email, the status page,
+and the course's relay (msglab.world.relay) on a shop's database: `start("relay", url, db_path=...)`.
 
     pay = start("payments", url, stream="ORDERS", durable="payments", gateway="gateway.charge",
                 status="orders.status", dlq="orders.payments.dlq", key="seq")
@@ -55,7 +56,7 @@ from typing import Any
 from msglab.world.outbox import CORRELATION_ID
 
 CARD_LIMIT = 15_000  # cents: payments refuses a larger order for good (lesson 07's rule)
-SERVICES = ("payments", "email", "status")
+SERVICES = ("payments", "email", "status", "relay")
 TEMPLATES = {"confirmed": "order_confirmation", "failed": "payment_failed"}
 BACKOFF = (0.1, 0.2, 0.4, 0.8)  # seconds before retry 1, 2, 3, 4 (production: 1, 10, 100, 1000 s)
 MAX_DELIVER = 5
@@ -354,6 +355,14 @@ async def status(
     return page.url
 
 
+async def relay(nc: Any, js: Any, *, db_path: str, poll: float = 0.02) -> None:
+    """The course's relay (msglab.world.relay) on the shop's database, for ever."""
+    from msglab.world.outbox import open_store
+    from msglab.world.relay import Relay
+
+    await Relay(open_store(db_path), js, poll=poll).run()
+
+
 async def _serve(service: str, options: dict[str, Any]) -> None:
     import nats
 
@@ -391,7 +400,7 @@ async def _serve(service: str, options: dict[str, Any]) -> None:
             ready["url"] = await status(nc, js, **options, reconnected=reconnected)
             print(json.dumps(ready), flush=True)
             await asyncio.Event().wait()
-        run = payments if service == "payments" else email
+        run: Any = {"payments": payments, "email": email, "relay": relay}[service]
         print(json.dumps(ready), flush=True)
         await run(nc, js, **options)
     finally:
