@@ -11,7 +11,9 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, cast
@@ -287,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 pass, 1 fail, 2 usage or environment error)."""
     typed = argv is None  # this process's own command line: a seed on it is moved off (`_seed_off_argv`)
     argv = sys.argv[1:] if argv is None else argv
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        # Started by a shell without job control (`cmd &` in a script), SIGINT comes ignored: `server`,
+        # `watch`, `lab` and `classroom serve` would never stop on Ctrl-C or `kill -INT`.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             args = build_parser().parse_args(argv)

@@ -126,7 +126,7 @@ def test_doctor_names_a_broken_notebook_and_how_to_restore_it(tmp_path: Path) ->
     assert (tmp_path / "labs" / "01_request_reply_vs_events" / "orders.py").is_file()  # nothing else touched
 
 
-def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c() -> None:
+def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c_even_started_with_sigint_ignored() -> None:
     import asyncio
     import os
     import signal
@@ -135,7 +135,9 @@ def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c() -> None:
 
     from msglab.broker import connect_js
 
-    proc = subprocess.Popen([sys.executable, "-m", "msglab", "server"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    # As a script's `msglab server &` starts it (a shell without job control hands SIGINT on ignored).
+    proc = subprocess.Popen([sys.executable, "-m", "msglab", "server"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     assert proc.stdout is not None
     banner = proc.stdout.readline()
     url = next(word for word in proc.stdout.readline().split() if word.startswith("nats://"))
