@@ -19,7 +19,7 @@ from msglab.grading.verdict import Verdict
 
 LABS = [lab.number for lab in all_labs()]
 AT_ONCE = 4  # verdicts graded together, on top of the spinners
-QUICK_SHARE = 12  # a quick run grades one in this many of a lab's other files (about two) beside its solution
+QUICK_SHARE = 24  # a quick run grades one in this many of a lab's other files (one or two) beside its solution
 # Wrong files whose failure a starved machine can hide, each with why, until their grader forces the race: their
 # verdict is still judged, but passing here is not counted against them (issue 17 item 4, test_reproducible).
 KNOWN_RACES: dict[str, str] = {}

@@ -79,9 +79,14 @@ def in_this_round(name: str, share: int) -> bool:
 
 
 def this_round(items: list[T], share: int, name: Callable[[T], str] = str) -> list[T]:
-    """The items graded in this run (see in_this_round); never none of a non-empty list."""
-    kept = [item for item in items if in_this_round(name(item), share)]
-    return kept or items[ROUND % len(items) :][:1]
+    """The items graded in this run: all in a deep run; in a quick one, one in `share` of them (as many each
+    round, give or take one: a round's cost does not depend on its luck), spread by their names, the next
+    share each round so that `share` rounds cover them all; never none of a non-empty list."""
+    if DEPTH == "deep" or not items:
+        return list(items)
+    spread = sorted(range(len(items)), key=lambda i: (_spread(name(items[i])), name(items[i])))
+    kept = sorted(spread[ROUND % share :: share]) or spread[ROUND % len(items) :][:1]
+    return [items[i] for i in kept]
 
 
 def one_this_round(items: list[T], count: int = 1) -> list[T]:
