@@ -36,12 +36,17 @@ $(RUNTIME): pyproject.toml
 # uv (pinned) installs it in about 8 s where pip took 30-45 s of a fresh `make test`; pip stays the
 # fallback, and the installer wherever pip's own settings must hold: a wheelhouse, a PIP_INDEX_URL
 # (uv does not read them), and `make lab` (what a learner runs).
+# Then rfc3987-syntax goes (and lark, which only it needs): jsonschema's optional IRI format check, whose
+# import builds 38 Earley parsers, 1-2 s of CPU in each of a run's processes that import jsonschema
+# (every pytest worker through nbval, every JupyterLab, every nbclient), for a check nothing here uses.
 UV := uv==0.13.9
+UNUSED := rfc3987-syntax lark
 $(DEV): pyproject.toml
 	$(new_venv)
 	@if [ -z "$(WHEELHOUSE)" ] && [ -z "$$PIP_INDEX_URL" ] && $(PIP) $(UV) >/dev/null 2>&1; then \
-		echo "$(BIN)/uv pip install -e '.[dev]'"; $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'; \
-	else echo "$(PIP) -e '.[dev]'"; $(PIP) -e '.[dev]'; fi
+		echo "$(BIN)/uv pip install -e '.[dev]'"; $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]' && \
+		$(BIN)/uv pip uninstall --quiet --python $(BIN)/python $(UNUSED); \
+	else echo "$(PIP) -e '.[dev]'"; $(PIP) -e '.[dev]' && $(BIN)/python -m pip uninstall --quiet -y $(UNUSED); fi
 	@touch $(RUNTIME) $@
 
 venv: $(RUNTIME)

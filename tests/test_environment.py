@@ -61,7 +61,7 @@ def test_make_lab_installs_the_runtime_alone_and_make_test_adds_the_extras(tmp_p
     installs = [line for line in lab if "pip install" in line]
     assert len(installs) == 1 and installs[0].endswith("-e .") and "[dev]" not in installs[0], lab
     test = [line for line in make_dry_run(tmp_path, "test") if "pip install" in line]
-    assert len(test) == 1 and test[0].endswith("-e '.[dev]'; fi"), test  # one resolve for runtime and extras
+    assert len(test) == 1 and "-e '.[dev]'" in test[0], test  # one resolve for runtime and extras
     assert "uv pip install --quiet --python .venv/bin/python -e '.[dev]'" in test[0], test  # pip the fallback
     assert all("--no-compile" in line for line in installs + test)
     offline = [line for line in make_dry_run(tmp_path, "lab", "WHEELHOUSE=/media/wheels") if "pip install" in line]
