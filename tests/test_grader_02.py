@@ -19,6 +19,7 @@ import msglab.graders.delivery_guarantees as grader
 from msglab.catalog import find_lab
 from msglab.grading.grade import grade
 from msglab.grading.nemesis import plan_seed
+from msglab.grading.rules import squash
 from msglab.grading.verdict import Verdict
 
 VARIANTS = Path(__file__).parent / "variants" / "02_delivery_guarantees"
@@ -97,8 +98,29 @@ def test_acking_only_the_last_of_a_batch_is_an_unexplained_duplicate(no_nats_url
     check = failure(verdict, "duplicates_only_after_crash")
     times = int(re.search(r"went out (\d+) times", check.message).group(1))  # type: ignore[union-attr]
     shown = sum("invoice sent" in step for step in check.trace)
-    # A long trace keeps its first and last lines around a "…" (under load the invoice went out 14 times).
+    # The grader's cut of a long trace keeps every invoice line (under load it went out 7 times, and its
+    # "... more steps ..." had taken one); only a trace over the verdict's bound loses some, around a "…".
     assert shown == times or ("…" in check.trace and 0 < shown < times), check.trace
+
+
+def test_a_cut_trace_keeps_every_pinned_line() -> None:
+    # 7 invoices, each followed by its report, then the ack: over the 14 lines a trace keeps, the cut
+    # takes reports only, and one line says so.
+    steps = [(0.0, "published", False)]
+    for i in range(1, 8):
+        steps += [(i + 0.1, f"invoice {i}", True), (i + 0.2, f"report {i}", False)]
+    steps += [(8.0, "ack", False)]
+    lines = grader._cut(list(reversed(steps)), grader.TRACE_LINES, "the invoices")
+    assert [line for line in lines if line.startswith("invoice")] == [f"invoice {i}" for i in range(1, 8)]
+    assert lines[:2] == ["published", "invoice 1"] and lines[-3:] == ["invoice 7", "report 7", "ack"]
+    assert len(lines) == grader.TRACE_LINES
+    assert [line for line in lines if line.startswith("...")] == [
+        "... 3 more steps from here on, not shown (the invoices all are) ..."
+    ]
+    # A short trace is shown whole, and one with nothing pinned is cut as rules.squash cuts it.
+    assert grader._cut(steps[:5], grader.TRACE_LINES, "") == [line for _, line, _ in steps[:5]]
+    plain = [(ts, line, False) for ts, line, _ in steps]
+    assert grader._cut(plain, grader.TRACE_LINES, "") == squash([line for _, line, _ in plain], grader.TRACE_LINES)
 
 
 ONLY = [  # (variant, seed, the checks it fails): what each variant says lives in its Says lines

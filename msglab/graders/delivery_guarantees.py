@@ -58,6 +58,7 @@ import itertools
 import json
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +66,7 @@ from msglab.grading import rules
 from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import BrokerWatch
-from msglab.grading.rules import an, how_ended, plural
+from msglab.grading.rules import an, how_ended, plural, squash
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held
 from msglab.grading.verdict import Check
 from msglab.world.invoicing import AccountClosed, Invoicing, InvoicingError, ServiceUnavailable
@@ -590,15 +591,23 @@ class Billing:
 
     # --- traces ---------------------------------------------------------------------------------
 
-    def trace(self, key: str) -> list[str]:
-        """What happened to one request, one line per event, with the worker's pid and the broker's view."""
+    def trace(self, key: str, invoices: Collection[Event] = ()) -> list[str]:
+        """What happened to one request, one line per event, with the worker's pid and the broker's view.
+
+        A long trace is cut, but never at the lines of `invoices`: a check whose message counts invoices
+        passes the very events it counted, so its trace shows every invoice it counts.
+        """
         request = self.requests.get(key)
         steps = Trace(self.run, TRACE_LINES)
         if request is not None:
             steps.add(request.published, "published")
+        ids = {event.id for event in invoices}
+        marked: set[int] = set()  # indexes in steps.steps of those invoices' lines
         for event in self.run.log.events():
             if event.key != key:
                 continue
+            if event.id in ids:
+                marked.add(len(steps.steps))
             who = f"worker {event.pid}"
             if event.kind == "effect" and event.name == "send_invoice":
                 outcome = event.detail.get("outcome")
@@ -629,7 +638,34 @@ class Billing:
             if request.kind == "slow":
                 for ts, delivered in self.taken:
                     steps.add(ts, f"broker handed it to another worker of the group (delivery #{delivered})")
-        return steps.lines()
+        if not marked:
+            return steps.lines()
+        lines = [(ts, f"{self.run.at(ts)} {text}", i in marked) for i, (ts, text) in enumerate(steps.steps)]
+        return _cut(lines, TRACE_LINES, "the invoices")
+
+
+def _cut(steps: list[tuple[float, str, bool]], keep: int, pinned: str) -> list[str]:
+    """Steps (when, line, pinned) in time order, cut to `keep` lines as rules.squash cuts a trace (the middle
+    goes, the first steps and the last three stay), except that no pinned line goes: one line, where the cut
+    begins, says how many steps went and that the `pinned` ones (say which) are all still there. Pinned
+    lines alternate with others (an invoice, its report), so one such line per gap would save nothing."""
+    ordered = sorted(steps, key=lambda step: step[0])
+    if len(ordered) <= keep:
+        return [line for _, line, _ in ordered]
+    loose = [i for i, (_, _, pin) in enumerate(ordered) if not pin]
+    if len(loose) == len(ordered):
+        return squash([line for _, line, _ in ordered], keep)
+    room = max(0, keep - 1 - (len(ordered) - len(loose)))  # loose steps beside the pinned and the cut's line
+    tail = min(3, room // 2)
+    gone = set(loose[room - tail : len(loose) - tail])
+    first = min(gone, default=-1)
+    lines = []
+    for i, (_, line, _) in enumerate(ordered):
+        if i == first:
+            lines.append(f"... {len(gone)} more steps from here on, not shown ({pinned} all are) ...")
+        if i not in gone:
+            lines.append(line)
+    return lines
 
 
 async def grade(run: Run) -> list[Check]:
@@ -774,13 +810,14 @@ def _duplicate_check(lab: Billing) -> Check:
         return Check("duplicates_only_after_crash", title, True)
     key = next(iter(extra))
     run, request = lab.run, lab.requests[key]
+    # One source for the count and the trace: the message counts these events, the trace pins their lines.
     invoices = lab.invoices(key)
     pids = sorted({e.pid for e in invoices})
     allowed = lab.allowed_invoices(key)
     message = (
         f"{plural(len(extra), 'request')} {'was' if len(extra) == 1 else 'were'} invoiced more often than the"
-        f" crashes explain: {key} went out"
-        f" {extra[key]} times (by worker{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))}), allowed {allowed}"
+        f" crashes explain: {key} went out {len(invoices)} times"
+        f" (by worker{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))}), allowed {allowed}"
     )
     excused = [pid for pid in lab.ended if lab.held_and_lost(key, [e for e in invoices if e.pid == pid])]
     message += (
@@ -806,7 +843,8 @@ def _duplicate_check(lab: Billing) -> Check:
             "an ack that comes after ack_wait is too late: the broker has already given the request out again; ack"
             " each request within ack_wait of its delivery"
         )
-    return Check("duplicates_only_after_crash", title, False, message, trace=lab.trace(key), hint=hint)
+    trace = lab.trace(key, invoices)
+    return Check("duplicates_only_after_crash", title, False, message, trace=trace, hint=hint)
 
 
 def _settled_check(lab: Billing) -> Check:
