@@ -183,3 +183,5 @@ def test_a_class_from_gradescopes_export_gets_a_wide_gradebook_with_its_people_a
     with open(tmp_path / "out" / "grades.csv", newline="") as handle:
         assert [row["learner"] for row in csv.DictReader(handle)] == ["1001", "1002+1003"]
     assert any("kept 1 earlier verdict" in note for note in again.notes)
+    # Its summary's headline counts and times what it graded, not the merged gradebook (which said 2 verdicts).
+    assert (tmp_path / "out" / "summary.txt").read_text().startswith("graded 1 learners x 1 labs: 1 verdicts in")

@@ -121,17 +121,23 @@ class ClassResult:
     salt: str = ""
     people: dict[str, list[Person]] = field(default_factory=dict)  # learner -> submitters, when the export says
     plan_key: str = ""  # the id of the class's plan key (nemesis.key_id), as grading.json records it
+    kept: frozenset[tuple[str, str]] = frozenset()  # (learner, lab) rows kept from an earlier grading into `out`
 
     @property
     def graded(self) -> list[Row]:
         return [row for row in self.rows if row.verdict is not None]
 
     @property
+    def this_time(self) -> list[Row]:
+        """The rows this run graded: a subset regrade's rows, without those it kept from `out`."""
+        return [row for row in self.rows if (row.learner, row.lab.name) not in self.kept]
+
+    @property
     def errors(self) -> list[Row]:
         return [row for row in self.rows if row.status == "grader error"]
 
     def cpu_per_verdict(self) -> float:
-        graded = self.graded
+        graded = [row for row in self.this_time if row.verdict is not None]  # a kept row's CPU was spent earlier
         return sum(row.cpu for row in graded) / len(graded) if graded else 0.0
 
 
@@ -239,7 +245,7 @@ def grade_class(
                      f"only with their --out's {PLAN_KEY} (copy it into --out before grading)")  # fmt: skip
     result = ClassResult(sorted(rows + earlier, key=lambda r: (r.learner, r.lab.name)), out, jobs,
                          time.perf_counter() - started, notes, startup, salt, found.people,
-                         nemesis.key_id(key))  # fmt: skip
+                         nemesis.key_id(key), frozenset((row.learner, row.lab.name) for row in earlier))  # fmt: skip
     write_outputs(result, points)
     return result
 
@@ -582,13 +588,15 @@ def feedback_text(learner: str, rows: list[Row]) -> str:
 
 def summary_text(result: ClassResult) -> str:
     """The summary printed at the end: per lab, how the class did."""
-    learners = sorted({row.learner for row in result.rows})
     labs: dict[str, list[Row]] = {}
     for row in result.rows:
         labs.setdefault(row.lab.name, []).append(row)
-    graded = result.graded
+    # The headline is this run's work (a subset regrade's, not the merged gradebook's): its time is this run's.
+    now = result.this_time
+    graded = [row for row in now if row.verdict is not None]
     lines = [
-        f"graded {len(learners)} learners x {len(labs)} labs: {len(graded)} verdicts in {result.seconds:.1f} s "
+        f"graded {len({row.learner for row in now})} learners x {len({row.lab.name for row in now})} labs: "
+        f"{len(graded)} verdicts in {result.seconds:.1f} s "
         f"with {result.jobs} jobs (CPU per verdict {result.cpu_per_verdict():.2f} s)",
         "",
         f"  {'lab':<34} {'passed':>8} {'mean':>12} {'missing':>8} {'starter':>8} {'errors':>7}",
