@@ -170,3 +170,17 @@ def test_a_starter_rewritten_without_changing_what_it_does_scores_as_the_starter
     assert renamer is not None and (renamer.status, renamer.score) == ("starter", 0.0), renamer
     assert "behaves as the starter on seed" in renamer.note
     assert solver is not None and solver.passed and solver.status == "graded", "a passing file is never compared"
+
+
+def test_every_lab_gates_its_points_on_its_planned_faults_and_weighs_its_own_invariants_most() -> None:
+    """Each lab's do-nothing file (tests/variants/<lab>/blocks_forever.py, where a worker can block: it must fail
+    faults_fired) then scores 0; and its core invariants outweigh the platform's own checks."""
+    from msglab.catalog import all_labs
+
+    for lab in all_labs():
+        points = lab_points(lab)
+        assert "faults_fired" in points.requires, f"{lab.name}: a file that never meets a planned fault earns points"
+        assert len(points.core) >= 3 and all(points.points[c] > points.points["faults_fired"] for c in points.core)
+        blocks = ROOT / "tests" / "variants" / lab.name / "blocks_forever.py"
+        if blocks.is_file():
+            assert "Expect: fail faults_fired" in blocks.read_text()
