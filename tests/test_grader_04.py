@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ import pytest
 from msglab.graders import poison_messages as grader
 from msglab.graders.poison_messages import PERMANENT, draw_plan
 from msglab.grading.grade import grade
+
+VARIANTS = Path(__file__).parent / "variants" / "04_poison_messages"
 
 
 def test_starter_fails_with_the_hot_loop_story(no_nats_url: None) -> None:
@@ -76,6 +80,29 @@ def test_every_planned_fault_happens_in_a_solution_run(no_nats_url: None, monkey
     dead = {e.order for e in ev.plan.emails if e.kind in grader.DEAD}
     assert sorted(entry.msg.email.order for entry in ev.dlq if not entry.msg.copy_run) == sorted(dead)
     assert [number for number, *_ in lab.redrive_runs] == [1, 2, 3]
+
+
+def test_the_graders_own_lateness_is_not_counted_as_the_workers(
+    no_nats_url: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The grader's loop stalls for longer than QUEUE_AGE_HARD right after the first ordinary email of step 2
+    # (as a loaded machine's other graders, holding the GIL, once made it): every stamp it makes then comes
+    # late. A correct worker still keeps the line moving; a worker that retries inside one delivery still fails.
+    publish = grader.Lab.publish
+    stall = grader.QUEUE_AGE_HARD + 0.5
+
+    async def stalled(lab: grader.Lab, email: grader.Email, judged: bool = True) -> grader.Msg:
+        msg = await publish(lab, email, judged)
+        if email.kind == "outage" and email.offset == grader.FOLLOWERS[0]:
+            time.sleep(stall)  # noqa: ASYNC251 (blocking the grader's loop is the stall under test)
+        return msg
+
+    monkeypatch.setattr(grader.Lab, "publish", stalled)
+    right = grade("04", source=VARIANTS / "also_right" / "budget_from_consumer.py", seed=11)
+    assert right.passed, right.to_text()
+    wrong = grade("04", source=VARIANTS / "sleeps_in_handler.py", seed=11)
+    line = next((c for c in wrong.failures if c.name == "line_keeps_moving"), None)
+    assert line is not None and "within one delivery" in line.message, wrong.to_text()
 
 
 def test_playground_lets_a_learner_try_one_poison_email(no_nats_url: None) -> None:

@@ -88,6 +88,10 @@ QUEUE_AGE_HARD = 2.0  # the longest an email may wait for a worker at all while 
 # Judged on the worker's median over its failed deliveries: a sleeping handler sits out every one, while a
 # loaded machine stalls an answering worker now and then (0.16 s once, under CI-like load).
 SAT_OUT = 0.15
+# The grader's own punctuality, checked every LATE_TICK: a wake-up later than LATE_SLACK is a spell in which
+# every stamp the grader made came late (a busy machine; other graders' threads holding the GIL).
+LATE_TICK = 0.02
+LATE_SLACK = 0.01
 FOLLOWERS = (0.0, 0.12, 0.24, 0.36)  # when the ordinary emails of phase 2 are published, after the outage began
 STEP_WAIT = 2.5  # the longest worker #1 gets to reach its planned crash
 FIRST_PULL = 2.0  # worker #2 must ask the broker for messages within this after its release
@@ -448,6 +452,31 @@ class Publish:
     detail: dict[str, Any]
 
 
+class Lateness:
+    """Spells in which the grader's own event loop ran late: the stamps it made in one (a call read, an ack
+    seen) came late by up to the spell's length. A time that judges the learner's worker leaves them out,
+    so the grader's lateness on a loaded machine is not counted as the worker's."""
+
+    def __init__(self) -> None:
+        self.spells: list[tuple[float, float]] = []  # (when a wake-up was due, when it came)
+
+    async def watch(self) -> None:
+        while True:
+            due = time.time() + LATE_TICK
+            await asyncio.sleep(LATE_TICK)  # a clock, not a wait for a condition: how late it wakes is measured
+            woke = time.time()
+            if woke - due > LATE_SLACK:
+                self.spells.append((due, woke))
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds between start and end in which the grader's loop was late."""
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.spells)
+
+    def net(self, start: float, end: float) -> float:
+        """end - start, without the grader's late spells."""
+        return end - start - self.within(start, end)
+
+
 class Lab:
     """Everything one grading run of lab 04 keeps: the plan, the provider and what was seen."""
 
@@ -492,6 +521,7 @@ class Lab:
         self.refetch: Any = None  # the pull that proves the worker asked again after an empty fetch
         self.drained = False  # the durable was drained when the idle spell began
         self.problems: list[str] = []
+        self.lateness = Lateness()  # the grader's own late spells
         self._subs: list[Any] = []
 
     # -- what the grader watches on the broker
@@ -714,6 +744,7 @@ async def grade(run: Run) -> list[Check]:
     provider = await ep.attach(run.nc, os.path.join(folder, "provider.sqlite"), prefix=run.names.subject("provider"))
     _configure(provider.behaviour, plan)
     lab = Lab(run, plan, provider)
+    run.tasks.append(asyncio.ensure_future(lab.lateness.watch()))
     await lab.start()
     lab.attach()
     workers = HeldSpawns(run, "email_worker", lambda n: [WORKER_CRASH] if n == 0 else [], limit=2)
@@ -1640,6 +1671,7 @@ def _line_check(ev: Evidence) -> Check:
     )
     followers = [lf for lf in ev.originals() if lf.msg.email.kind == "outage"]
     end = ev.lab.phase2_end or time.time()
+    late = ev.lab.lateness  # every time below is the grader's stamps' difference, without its own late spells
     # Retries made inside one delivery: the worker held that email (sleeping, looping) instead of taking the next.
     held = [(lf, group) for lf in ev.lives.values() for group in lf.attempts_per_delivery() if len(group) > 1]
     # Waits sat out inside one delivery: the failed try's answer was back, and the nak came only much later.
@@ -1652,15 +1684,16 @@ def _line_check(ev: Evidence) -> Check:
             fails = [a for a in group if a.status != 200 and a.done]
             naks = [s for s in lf.settles if s.n == n and s.kind == "nak"]
             if fails and naks and not dead.get(n):
-                holds.setdefault(fails[-1].pid, []).append(naks[0].ts - fails[-1].done)
-                if naks[0].ts - fails[-1].done > SAT_OUT:
+                hold = late.net(fails[-1].done, naks[0].ts)
+                holds.setdefault(fails[-1].pid, []).append(hold)
+                if hold > SAT_OUT:
                     sat.append((lf, fails[-1], naks[0]))
     sat = [(lf, a, st) for lf, a, st in sat if statistics.median(holds[a.pid]) > SAT_OUT]
     stuck = []
     for life in followers:
         handled = life.first_handled()
         until = handled if handled is not None else end
-        age = until - life.msg.published
+        age = late.net(life.msg.published, until)
         # A worker that retried another email inside one delivery while this one waited held the line, however
         # fast its machine ran the loop: judged by what happened, not by how long it took.
         holding = [
@@ -1674,9 +1707,11 @@ def _line_check(ev: Evidence) -> Check:
     if not stuck:
         return Check("line_keeps_moving", title, True)
     life, age, handled, holding, sitting = max(stuck, key=lambda x: x[1])
+    slow = late.within(life.msg.published, handled if handled is not None else end)
     message = (
         f"{_said(life)} waited {age:.2f} s before any worker took it"
         + ("" if handled is not None else " (it was never taken)")
+        + (f" (and {slow:.2f} s more while the grader itself ran late, not counted)" if slow >= 0.01 else "")
         + (f"; the bound is {QUEUE_AGE_MAX} s." if age > QUEUE_AGE_MAX else ", behind another email's retries.")
     )
     if holding:
@@ -1687,9 +1722,10 @@ def _line_check(ev: Evidence) -> Check:
             "email's retries itself instead of taking the next one."
         )
     elif sitting:
-        other, failed, nak = max(sitting, key=lambda x: x[2].ts - x[1].done)
+        other, failed, nak = max(sitting, key=lambda x: late.net(x[1].done, x[2].ts))
+        held_for = late.net(failed.done, nak.ts)
         message += (
-            f"\nMeanwhile your worker {failed.pid} held {other.msg.email.order} for {nak.ts - failed.done:.2f} s "
+            f"\nMeanwhile your worker {failed.pid} held {other.msg.email.order} for {held_for:.2f} s "
             f"after its failed try (the provider's answer at {ev.at(failed.done)}, its nak at {ev.at(nak.ts)}): it "
             "sat out that wait itself, and every email behind it waited too."
         )
