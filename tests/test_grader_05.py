@@ -55,11 +55,12 @@ def failure(verdict: Any, name: str) -> Any:
 def test_starter_fails_with_the_silent_queue_story(no_nats_url: None) -> None:
     verdict = grade("05", seed=2)
     failed = {c.name for c in verdict.failures}
-    # Its background publisher meets the lost confirmations late or never (it answers before publishing, and a
-    # publish without a confirmation blocks it for nats-py's 5 s): stored_once, or rule 1, may fail too.
-    must = ALL - {"refuses_only_over_budget", "faults_fired", "no_unplanned_deaths", "stored_once",
-                  "effects_on_the_workload"}  # fmt: skip
-    assert must <= failed <= must | {"stored_once", "faults_fired"}, verdict.to_text()
+    # Its background publisher dies on the stream's first refusal, so the orders it accepted after that are never
+    # stored: the grader starts no silence while an accepted order may still be published (rule 1 says so, and
+    # stored_once could not be tested), on every run rather than when a late publish happened to miss it.
+    must = ALL - {"refuses_only_over_budget", "no_unplanned_deaths", "effects_on_the_workload"}
+    assert failed == must, verdict.to_text()
+    assert "still not in the stream" in failure(verdict, "faults_fired").message, verdict.to_text()
     assert "always said 0" in failure(verdict, "age_tracks_truth").hint
     fooled = failure(verdict, "not_fooled_by_depth").message
     assert "Deep but fast" in fooled and "Shallow but stuck" in fooled
@@ -136,6 +137,19 @@ def test_the_lessons_admission_check_breaks_the_promise_and_says_why(no_nats_url
     check = failure(copied, "promise_kept")
     assert "the age was under the budget when you accepted it" in check.hint and "Little's law" in check.hint
     assert grade("05", seed=7, source=Path(__file__).parents[1] / "solutions" / "05_backpressure" / "intake.py").passed
+
+
+def test_a_silence_meets_the_publish_of_an_outbox_not_its_backlog(no_nats_url: None) -> None:
+    # The stream falls silent only once it holds every order accepted so far, and the order answered ACCEPTED in the
+    # silence is waited for: the background task's next publish is that order's, refused without a word. Begun while
+    # the outbox still published earlier orders, the silence met one of them or not by the machine's pace (stored_once
+    # failed in 1 of 8 pairs beside a busy loop).
+    from msglab.grading.nemesis import plan_seed
+
+    seed = next(s for s in range(1, 40) if Plan.draw(plan_seed(s)).lost[0] == "request")  # the refusal comes first
+    verdict = grade("05", source=VARIANTS / "outbox_in_memory.py", seed=seed)
+    check = failure(verdict, "stored_once")
+    assert "answered ACCEPTED, but the stream never stored it" in check.message, verdict.to_text()
 
 
 def test_answers_about_orders_nobody_placed_do_not_take_the_kill(no_nats_url: None, tmp_path: Path) -> None:

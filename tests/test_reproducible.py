@@ -22,12 +22,7 @@ KNOWN_RACES: dict[str, str] = {}
 
 
 # Labs whose judgements still follow the machine's timing: their files are graded, not yet held to it.
-IN_FLUX = {
-    "05": "intake A's kill lands in a calm step, refuses_over_budget is judged on it, and keeping up gives about 20"
-    " clearly needless refusals: age_without_subject, refuses_early and outbox_in_memory's kill no longer flip (0 of"
-    " 16 pairs beside a busy loop, seeds 1-8); outbox_in_memory still flipped stored_once on seed 1 (1 of 8 pairs):"
-    " whether the stream's silent refusal met a publish of its background task, whose pace the machine sets",
-}
+IN_FLUX: dict[str, str] = {}
 
 
 def _marked(case: Case) -> object:

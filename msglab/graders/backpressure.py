@@ -820,9 +820,10 @@ async def _lose_confirmation(lab: Lab, kind: str) -> None:
 
     The fault lands on the first publish of an order the grader placed that reaches the silent stream: chosen
     when it happens, so an intake that refuses for a while first (a cool-down, a forecast), or publishes later
-    what it accepted earlier (an outbox), meets it all the same, at any pace of the machine. The orders refused
-    meanwhile are judged like any other; an intake that publishes nothing for PHASE_CAP seconds leaves the fault
-    unfired (rule 1 says so).
+    what it accepted earlier (an outbox), meets it all the same, at any pace of the machine. The silence begins only
+    once no publish of an earlier order can still be under way (the stream holds every order accepted so far), so
+    the publish it meets is one of an order placed in it. The orders refused meanwhile are judged like any other; an
+    intake that publishes nothing for PHASE_CAP seconds leaves the fault unfired (rule 1 says so).
     """
     from nats.js.api import StreamConfig
 
