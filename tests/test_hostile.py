@@ -36,8 +36,8 @@ def _targets(attack: Attack) -> list[Lab]:
     return this_round(LABS, QUICK_SHARE, lambda lab: f"{attack.name}-{lab.number}")
 
 
-# A quick run sends about half the attacks (another half each commit, each at its lab); a deep run, all.
-QUICK_ATTACKS = 2
+# A quick run sends a third of the attacks (another third each commit, each at its lab); a deep run, all.
+QUICK_ATTACKS = 3
 CASES = this_round(
     [(lab, attack) for attack in ATTACKS for lab in _targets(attack)], QUICK_ATTACKS, lambda c: c[1].name
 )
