@@ -125,6 +125,18 @@ def no_nats_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NATS_URL", raising=False)
 
 
+@pytest.fixture
+def reaped() -> Iterator[list[subprocess.Popen[str]]]:
+    """A list for the long-running commands a test starts (`msglab server`, `watch`, `classroom serve`): any still
+    running when the test ends, passed or failed, is killed (its nats-server dies with it: PR_SET_PDEATHSIG)."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run `python -m msglab ...` as a learner would, and capture what it prints."""
     full_env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}

@@ -377,13 +377,16 @@ def test_status_shows_learners_their_streams_and_the_labs_they_passed(room: Clas
     assert bob.split()[2] == "1" and "01" in bob  # one stream, lab 01 passed
 
 
-def test_the_serve_command_prints_what_to_hand_out_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+def test_the_serve_command_prints_what_to_hand_out_and_stops_on_ctrl_c(
+    tmp_path: Path, reaped: list[subprocess.Popen[str]]
+) -> None:
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     proc = subprocess.Popen(
         [sys.executable, "-c", CLI_DRIVER, "classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "room"),
          "--local", "--port", "0", "--monitor-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
+    reaped.append(proc)
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -651,13 +654,16 @@ def test_join_with_a_tls_handout_then_the_course_connects_checking_the_room(
     assert done.returncode == 0 and "as bob" in done.stdout, done.stdout + done.stderr
 
 
-def test_classroom_serve_tls_hands_out_files_learners_join_with_and_status_reads_the_room(tmp_path: Path) -> None:
+def test_classroom_serve_tls_hands_out_files_learners_join_with_and_status_reads_the_room(
+    tmp_path: Path, reaped: list[subprocess.Popen[str]]
+) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "NATS_CA")}
     proc = subprocess.Popen(
         [sys.executable, "-c", CLI_DRIVER, "classroom", "serve", "--learners", "2", "--dir", str(tmp_path / "room"),
          "--local", "--port", "0", "--monitor-port", "0", "--tls"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
+    reaped.append(proc)
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:

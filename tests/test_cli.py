@@ -126,7 +126,9 @@ def test_doctor_names_a_broken_notebook_and_how_to_restore_it(tmp_path: Path) ->
     assert (tmp_path / "labs" / "01_request_reply_vs_events" / "orders.py").is_file()  # nothing else touched
 
 
-def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c_even_started_with_sigint_ignored() -> None:
+def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c_even_started_with_sigint_ignored(
+    reaped: list[subprocess.Popen[str]],
+) -> None:
     import asyncio
     import os
     import signal
@@ -138,6 +140,7 @@ def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c_even_started_wit
     # As a script's `msglab server &` starts it (a shell without job control hands SIGINT on ignored).
     proc = subprocess.Popen([sys.executable, "-m", "msglab", "server"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    reaped.append(proc)
     assert proc.stdout is not None
     banner = proc.stdout.readline()
     url = next(word for word in proc.stdout.readline().split() if word.startswith("nats://"))
@@ -153,13 +156,14 @@ def test_server_command_prints_a_usable_url_and_stops_on_ctrl_c_even_started_wit
     assert proc.wait(10) == 0
 
 
-def test_server_command_removes_its_store_on_sigterm() -> None:
+def test_server_command_removes_its_store_on_sigterm(reaped: list[subprocess.Popen[str]]) -> None:
     import asyncio
     from urllib.parse import urlsplit
 
     from msglab.broker import connect_js
 
     proc = subprocess.Popen([sys.executable, "-m", "msglab", "server"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    reaped.append(proc)
     assert proc.stdout is not None
     proc.stdout.readline()
     url = next(word for word in proc.stdout.readline().split() if word.startswith("nats://"))
@@ -235,12 +239,13 @@ def test_progress_after_a_pass_shows_when_and_the_seed(course: Path) -> None:
     assert "passed; no hints needed" in run_cli("hint", "01").stdout
 
 
-def test_watch_regrades_on_save_and_stops_cleanly_on_ctrl_c(course: Path) -> None:
+def test_watch_regrades_on_save_and_stops_cleanly_on_ctrl_c(course: Path, reaped: list[subprocess.Popen[str]]) -> None:
     lab_file = course / "labs" / LAB01 / "orders.py"
     proc = subprocess.Popen(
         [sys.executable, "-m", "msglab", "watch", "01", "--no-clear"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=course, env=cli_env(),
     )  # fmt: skip
+    reaped.append(proc)
     out, err = proc.stdout, proc.stderr
     assert out is not None and err is not None
     lines: queue.Queue[str] = queue.Queue()
