@@ -44,9 +44,9 @@ UNUSED := rfc3987-syntax lark
 $(DEV): pyproject.toml
 	$(new_venv)
 	@if [ -z "$(WHEELHOUSE)" ] && [ -z "$$PIP_INDEX_URL" ] && $(PIP) $(UV) >/dev/null 2>&1; then \
-		echo "$(BIN)/uv pip install -e '.[dev]'"; $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]' && \
-		$(BIN)/uv pip uninstall --quiet --python $(BIN)/python $(UNUSED); \
-	else echo "$(PIP) -e '.[dev]'"; $(PIP) -e '.[dev]' && $(BIN)/python -m pip uninstall --quiet -y $(UNUSED); fi
+		echo "$(BIN)/uv pip install -e '.[dev]'"; $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'; \
+	else echo "$(PIP) -e '.[dev]'"; $(PIP) -e '.[dev]'; fi
+	$(BIN)/python -m pip uninstall --quiet -y $(UNUSED)
 	@touch $(RUNTIME) $@
 
 venv: $(RUNTIME)

@@ -103,6 +103,12 @@ def test_acking_only_the_last_of_a_batch_is_an_unexplained_duplicate(no_nats_url
     assert shown == times or ("…" in check.trace and 0 < shown < times), check.trace
 
 
+def cut(steps: list[tuple[float, str, bool]], keep: int, pinned_are: str) -> list[str]:
+    """Steps (when, line, pinned) in any order, cut as the grader's Trace cuts them (rules.squash)."""
+    ordered = sorted(steps, key=lambda step: step[0])
+    return squash([line for _, line, _ in ordered], keep, [i for i, step in enumerate(ordered) if step[2]], pinned_are)
+
+
 def test_a_cut_trace_keeps_every_pinned_line() -> None:
     # 7 invoices, each followed by its report, then the ack: over the 14 lines a trace keeps, the cut
     # takes reports only, and one line says so.
@@ -110,7 +116,7 @@ def test_a_cut_trace_keeps_every_pinned_line() -> None:
     for i in range(1, 8):
         steps += [(i + 0.1, f"invoice {i}", True), (i + 0.2, f"report {i}", False)]
     steps += [(8.0, "ack", False)]
-    lines = grader._cut(list(reversed(steps)), grader.TRACE_LINES, "the invoices")
+    lines = cut(list(reversed(steps)), grader.TRACE_LINES, "the invoices")
     assert [line for line in lines if line.startswith("invoice")] == [f"invoice {i}" for i in range(1, 8)]
     assert lines[:2] == ["published", "invoice 1"] and lines[-3:] == ["invoice 7", "report 7", "ack"]
     assert len(lines) == grader.TRACE_LINES
@@ -118,9 +124,9 @@ def test_a_cut_trace_keeps_every_pinned_line() -> None:
         "... 3 more steps from here on, not shown (the invoices all are) ..."
     ]
     # A short trace is shown whole, and one with nothing pinned is cut as rules.squash cuts it.
-    assert grader._cut(steps[:5], grader.TRACE_LINES, "") == [line for _, line, _ in steps[:5]]
+    assert cut(steps[:5], grader.TRACE_LINES, "") == [line for _, line, _ in steps[:5]]
     plain = [(ts, line, False) for ts, line, _ in steps]
-    assert grader._cut(plain, grader.TRACE_LINES, "") == squash([line for _, line, _ in plain], grader.TRACE_LINES)
+    assert cut(plain, grader.TRACE_LINES, "") == squash([line for _, line, _ in plain], grader.TRACE_LINES)
 
 
 ONLY = [  # (variant, seed, the checks it fails): what each variant says lives in its Says lines

@@ -66,7 +66,7 @@ from msglab.grading import rules
 from msglab.grading.labkit import LabEnv
 from msglab.grading.nemesis import Crash, rng
 from msglab.grading.observe import BrokerWatch
-from msglab.grading.rules import an, how_ended, plural, squash
+from msglab.grading.rules import an, how_ended, plural
 from msglab.grading.scaffold import HeldSpawns, Phases, Topology, Trace, gone, held
 from msglab.grading.verdict import Check
 from msglab.world.invoicing import AccountClosed, Invoicing, InvoicingError, ServiceUnavailable
@@ -602,12 +602,9 @@ class Billing:
         if request is not None:
             steps.add(request.published, "published")
         ids = {event.id for event in invoices}
-        marked: set[int] = set()  # indexes in steps.steps of those invoices' lines
         for event in self.run.log.events():
             if event.key != key:
                 continue
-            if event.id in ids:
-                marked.add(len(steps.steps))
             who = f"worker {event.pid}"
             if event.kind == "effect" and event.name == "send_invoice":
                 outcome = event.detail.get("outcome")
@@ -616,7 +613,7 @@ class Billing:
                     "unavailable": f"{who} called env.send_invoice: it raised ServiceUnavailable, nothing sent",
                     "refused": f"{who} called env.send_invoice: it raised AccountClosed, nothing sent",
                 }.get(str(outcome), f"{who} called env.send_invoice")
-                steps.add(event.ts, text)
+                steps.add(event.ts, text, pin=event.id in ids)
             elif event.kind == "effect" and event.name == "settled":
                 had = "the broker had its ack" if event.detail.get("acked") else "the broker had NO ack for it yet"
                 had = had if event.detail.get("confirmed") or event.detail.get("acked") else "no ack seen for it yet"
@@ -638,34 +635,7 @@ class Billing:
             if request.kind == "slow":
                 for ts, delivered in self.taken:
                     steps.add(ts, f"broker handed it to another worker of the group (delivery #{delivered})")
-        if not marked:
-            return steps.lines()
-        lines = [(ts, f"{self.run.at(ts)} {text}", i in marked) for i, (ts, text) in enumerate(steps.steps)]
-        return _cut(lines, TRACE_LINES, "the invoices")
-
-
-def _cut(steps: list[tuple[float, str, bool]], keep: int, pinned: str) -> list[str]:
-    """Steps (when, line, pinned) in time order, cut to `keep` lines as rules.squash cuts a trace (the middle
-    goes, the first steps and the last three stay), except that no pinned line goes: one line, where the cut
-    begins, says how many steps went and that the `pinned` ones (say which) are all still there. Pinned
-    lines alternate with others (an invoice, its report), so one such line per gap would save nothing."""
-    ordered = sorted(steps, key=lambda step: step[0])
-    if len(ordered) <= keep:
-        return [line for _, line, _ in ordered]
-    loose = [i for i, (_, _, pin) in enumerate(ordered) if not pin]
-    if len(loose) == len(ordered):
-        return squash([line for _, line, _ in ordered], keep)
-    room = max(0, keep - 1 - (len(ordered) - len(loose)))  # loose steps beside the pinned and the cut's line
-    tail = min(3, room // 2)
-    gone = set(loose[room - tail : len(loose) - tail])
-    first = min(gone, default=-1)
-    lines = []
-    for i, (_, line, _) in enumerate(ordered):
-        if i == first:
-            lines.append(f"... {len(gone)} more steps from here on, not shown ({pinned} all are) ...")
-        if i not in gone:
-            lines.append(line)
-    return lines
+        return steps.lines(pinned_are="the invoices")
 
 
 async def grade(run: Run) -> list[Check]:

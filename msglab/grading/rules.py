@@ -15,7 +15,7 @@ lab.toml overrides one only where the lab needs its own words.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +42,29 @@ def an(word: str) -> str:
     return f"an {word}" if word[:1] in "aeiou" else f"a {word}"
 
 
-def squash(lines: list[str], keep: int = 14) -> list[str]:
-    """A trace cut to `keep` lines: its start and its last three steps, and how many were left out."""
+def squash(lines: list[str], keep: int = 14, pinned: Collection[int] = (), pinned_are: str = "") -> list[str]:
+    """A trace cut to `keep` lines: its start and its last three steps, and how many were left out.
+
+    No line whose index is in `pinned` goes (a check's message counts those steps): the cut takes the others
+    only, and one line where it begins says how many went and that `pinned_are` (which lines) all still show.
+    Pinned lines alternate with others (an invoice, its report), so one such line per gap would save nothing.
+    """
     if len(lines) <= keep:
         return lines
-    return [*lines[: keep - 4], f"... {len(lines) - keep + 1} more steps ...", *lines[-3:]]
+    loose = [i for i in range(len(lines)) if i not in pinned]
+    if len(loose) == len(lines):
+        return [*lines[: keep - 4], f"... {len(lines) - keep + 1} more steps ...", *lines[-3:]]
+    room = max(0, keep - 1 - (len(lines) - len(loose)))  # loose steps beside the pinned and the cut's line
+    tail = min(3, room // 2)
+    gone = set(loose[room - tail : len(loose) - tail])
+    first = min(gone, default=-1)
+    kept = []
+    for i, line in enumerate(lines):
+        if i == first:
+            kept.append(f"... {len(gone)} more steps from here on, not shown ({pinned_are} all are) ...")
+        if i not in gone:
+            kept.append(line)
+    return kept
 
 
 def how_ended(child: Child) -> str:

@@ -200,19 +200,27 @@ class Phases:
 
 
 class Trace:
-    """One trace builder: add (timestamp, text) steps in any order; `lines()` sorts, stamps and squashes them."""
+    """One trace builder: add (timestamp, text) steps in any order; `lines()` sorts, stamps and squashes them.
+
+    A pinned step (`add(..., pin=True)`: one a check's message counts) is never cut from a long trace;
+    `lines(pinned_are=...)` names them in the line that says what was cut (rules.squash)."""
 
     def __init__(self, run: Run, keep: int = 14) -> None:
         self.run, self.keep = run, keep
         self.steps: list[tuple[float, str]] = []
+        self.pins: set[int] = set()  # indexes in steps
 
-    def add(self, ts: float, text: str) -> Trace:
+    def add(self, ts: float, text: str, *, pin: bool = False) -> Trace:
+        if pin:
+            self.pins.add(len(self.steps))
         self.steps.append((ts, text))
         return self
 
-    def lines(self, *tail: str) -> list[str]:
-        ordered = sorted(self.steps, key=lambda s: s[0])
-        return [*squash([f"{self.run.at(ts)} {text}" for ts, text in ordered], self.keep), *tail]
+    def lines(self, *tail: str, pinned_are: str = "") -> list[str]:
+        order = sorted(range(len(self.steps)), key=lambda i: self.steps[i][0])
+        stamped = [f"{self.run.at(self.steps[i][0])} {self.steps[i][1]}" for i in order]
+        pinned = [n for n, i in enumerate(order) if i in self.pins]
+        return [*squash(stamped, self.keep, pinned, pinned_are), *tail]
 
 
 async def while_moving(run: Run, condition: Any, progress: Any, first: float, *, stall: float, deadline: float) -> bool:
